@@ -1,0 +1,85 @@
+"""Prefill and decode steps of decoder-only LLMs (dense and MoE) over an engine-owned KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.capture.ops import StepContext, register_hf_hooks, step_context
+from tessera.capture.step import Step
+
+
+def build_causal_lm(config, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """A transformers causal LM for ``config`` routed through Tessera's attention and experts kernels."""
+    from transformers import AutoModelForCausalLM
+
+    register_hf_hooks()
+    config._experts_implementation = "tessera"
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="tessera")
+
+
+def kv_cache_shape(config, slots: int, ctx: int) -> tuple[int, int, int, int]:
+    """Shape of one layer's K (or V) cache: [slots, kv_heads, ctx, head_dim]."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return (slots, kv_heads, ctx, head_dim)
+
+
+def new_kv_cache(config, slots: int, ctx: int, dtype: torch.dtype, device: str | torch.device,
+                 layers: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Engine-owned KV cache: ``cache.layer{i}.k`` / ``.v`` for every attention layer, zeroed."""
+    shape = kv_cache_shape(config, slots, ctx)
+    layers = list(range(config.num_hidden_layers)) if layers is None else layers
+    state: dict[str, torch.Tensor] = {}
+    for i in layers:
+        state[f"cache.layer{i}.k"] = torch.zeros(shape, dtype=dtype, device=device)
+        state[f"cache.layer{i}.v"] = torch.zeros(shape, dtype=dtype, device=device)
+    return state
+
+
+def kv_of(state: dict[str, torch.Tensor]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Layer index -> (k_cache, v_cache) from the state dict."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith(".k"):
+            layer = int(name.removeprefix("cache.layer").removesuffix(".k"))
+            out[layer] = (t, state[f"cache.layer{layer}.v"])
+    return out
+
+
+def llm_inputs(phase: str, batch: int, seq: int, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Placeholder inputs of the right shapes (real values are fed by the caller or the engine)."""
+    slots = torch.arange(batch, device=device)
+    if phase == "prefill":
+        return {"input_ids": torch.zeros(batch, seq, dtype=torch.long, device=device), "slots": slots}
+    return {"input_ids": torch.zeros(batch, 1, dtype=torch.long, device=device),
+            "positions": torch.zeros(batch, dtype=torch.long, device=device), "slots": slots}
+
+
+def llm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, model_name: str, family: str,
+             phase: str, batch: int, seq: int, ctx: int, device: str | torch.device = "meta",
+             state: dict[str, torch.Tensor] | None = None,
+             inputs: dict[str, torch.Tensor] | None = None) -> Step:
+    """A prefill step (``input_ids`` [B,S], ``slots``) or decode step (``input_ids`` [B,1],
+    ``positions`` [B], ``slots`` [B]) of ``model``; outputs the last position's logits [B,1,V]."""
+    if phase not in ("prefill", "decode"):
+        raise ValueError(f"phase {phase!r} is not a phase of an LLM (use prefill or decode)")
+    config = model.config
+    dtype = next(model.parameters()).dtype
+    if state is None:
+        state = new_kv_cache(config, batch, ctx, dtype, device)
+    if inputs is None:
+        inputs = llm_inputs(phase, batch, seq, device)
+
+    def fn(inp, st, _consts):
+        sctx = StepContext(phase=phase, slots=inp["slots"], positions=inp.get("positions"), kv=kv_of(st))
+        with step_context(sctx):
+            position_ids = None if phase == "prefill" else inp["positions"][:, None]
+            out = model(input_ids=inp["input_ids"], position_ids=position_ids, use_cache=False,
+                        logits_to_keep=1)
+        return {"logits": out.logits}
+
+    return Step(model=model_name, family=family, phase=phase, modules={"": model}, fn=fn, inputs=inputs,
+                state=state, constant_values=dict(constant_values),
+                meta={"batch": batch, "seq": seq if phase == "prefill" else 1, "ctx": ctx})

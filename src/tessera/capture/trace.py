@@ -1,0 +1,290 @@
+"""Record a model step into a KernelGraph with a TorchDispatchMode (on `meta` or real tensors).
+
+Kernels are the non-view aten ops in program order; fused units (scaled-dot-product attention,
+Tessera's custom ops) are one kernel each, as eager runs them. Every tensor is resolved to a buffer
+with a stable name and every argument to a strided view of it, so accesses and edges are exact.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from tessera.capture.step import Step, qualified
+from tessera.errors import TesseraError
+from tessera.graph.codec import dtype_name, encode
+from tessera.graph.deps import compute_edges
+from tessera.graph.ir import Access, Buffer, Kernel, KernelGraph, TensorRef
+from tessera.graph.opclass import flops_of, op_class
+from tessera.graph.values import pack_values
+
+aten = torch.ops.aten
+
+
+class TraceError(TesseraError):
+    """A model step could not be recorded."""
+
+
+class DataDependentOpError(TraceError):
+    """An op needs tensor values on the host, which a static kernel graph cannot express."""
+
+
+_DATA_DEPENDENT = {
+    aten._local_scalar_dense.default: "a tensor value read on the host (.item(), .tolist(), int(t), "
+                                      "or a Python `if` on a tensor)",
+    aten.nonzero.default: "an output whose shape depends on tensor values (nonzero / torch.where with one "
+                          "argument / boolean-mask indexing)",
+    aten.masked_select.default: "an output whose shape depends on tensor values (boolean-mask selection)",
+    aten.unique_dim.default: "an output whose shape depends on tensor values (unique)",
+    aten._unique2.default: "an output whose shape depends on tensor values (unique)",
+    aten.repeat_interleave.Tensor: "an output whose shape depends on tensor values (repeat_interleave "
+                                   "with tensor repeats)",
+}
+_ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+                aten.new_empty.default, aten.new_empty_strided.default}
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|blocks|transformer_blocks|single_transformer_blocks|h|block)\.(\d+)(?:\.|$)")
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def layer_of(scope: str) -> int | None:
+    """Layer index of a module scope such as ``model.layers.3.mlp`` (None outside numbered layers)."""
+    m = _LAYER_RE.search(scope)
+    return int(m.group(1)) if m else None
+
+
+class _FusedUnits(TorchFunctionMode):
+    """Catch fused torch functions above the dispatcher so they are recorded as one kernel."""
+
+    def __init__(self, recorder: _Recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and not self.recorder.executing:
+            with self.recorder.executing_op():
+                out = func(*args, **kwargs)
+            self.recorder.record(aten.scaled_dot_product_attention.default, args, kwargs, out)
+            return out
+        return func(*args, **kwargs)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, step: Step):
+        super().__init__()
+        self.step = step
+        self.kernels: list[Kernel] = []
+        self.accesses: list[Access] = []
+        self.buffers: dict[str, Buffer] = {}
+        self.names: dict[int, str] = {}  # storage key -> buffer name
+        self.keepalive: list[torch.Tensor] = []  # storages must outlive the trace or keys get reused
+        self.scopes: list[str] = []
+        self.ordinals: Counter[tuple[str, str]] = Counter()
+        self.executing = False
+        self.module_names: dict[int, str] = {}
+        for root, mod in step.modules.items():
+            for name, sub in mod.named_modules():
+                self.module_names[id(sub)] = qualified(root, name) or root or type(sub).__name__
+        self._register_known()
+
+    # -- buffers ------------------------------------------------------------------------------------
+    def _add_buffer(self, t: torch.Tensor, name: str, kind: str, values: torch.Tensor | None = None) -> str:
+        key = _storage_key(t)
+        if key in self.names:
+            existing = self.buffers[self.names[key]]
+            if name != existing.name and name not in existing.aliases:
+                existing.aliases.append(name)
+            return existing.name
+        self.names[key] = name
+        self.keepalive.append(t)
+        self.buffers[name] = Buffer(name=name, kind=kind, nbytes=t.untyped_storage().nbytes(),
+                                    dtype=dtype_name(t.dtype), shape=list(t.shape),
+                                    values=pack_values(values) if values is not None else None)
+        return name
+
+    def _register_known(self) -> None:
+        step = self.step
+        for root, mod in step.modules.items():
+            persistent = {}
+            for mod_name, sub in mod.named_modules(remove_duplicate=False):
+                for pname, p in sub._parameters.items():
+                    if p is not None:
+                        persistent[qualified(root, qualified(mod_name, pname))] = p
+                for bname, b in sub._buffers.items():
+                    if b is None:
+                        continue
+                    full = qualified(root, qualified(mod_name, bname))
+                    if bname in sub._non_persistent_buffers_set:
+                        if full not in step.constant_values:
+                            raise TraceError(f"constant buffer {full} has no host value in the step")
+                        self._add_buffer(b, full, "constant", step.constant_values[full])
+                    else:
+                        persistent[full] = b
+            # canonical weight name = first in state-dict order; later names of the same storage are aliases
+            for full, t in persistent.items():
+                self._add_buffer(t, full, "weight")
+        for name, t in step.inputs.items():
+            self._add_buffer(t, name, "input")
+        for name, t in step.state.items():
+            self._add_buffer(t, name, "state")
+        for name, t in step.constants.items():
+            if name not in step.constant_values:
+                raise TraceError(f"constant {name} has no host value in the step")
+            self._add_buffer(t, name, "constant", step.constant_values[name])
+
+    def ref(self, t: torch.Tensor) -> TensorRef:
+        key = _storage_key(t)
+        name = self.names.get(key)
+        if name is None:
+            if t.device.type == "cpu" and self.step_device != "cpu":
+                raise TraceError(
+                    f"module '{self.scope}' uses a host tensor of shape {list(t.shape)} on a {self.step_device} "
+                    "trace; create it on the step's device or register it as a step constant")
+            raise TraceError(f"module '{self.scope}' uses a tensor of shape {list(t.shape)} that no recorded "
+                             "kernel produced and that is not a weight, input, state or constant")
+        return TensorRef(name, dtype_name(t.dtype), t.storage_offset(), list(t.shape), list(t.stride()))
+
+    @property
+    def scope(self) -> str:
+        return self.scopes[-1] if self.scopes else "step"
+
+    @contextmanager
+    def executing_op(self):
+        prev, self.executing = self.executing, True
+        try:
+            yield
+        finally:
+            self.executing = prev
+
+    # -- recording ----------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.executing:
+            return func(*args, **kwargs)
+        if func in _DATA_DEPENDENT:
+            raise DataDependentOpError(
+                f"{func} in module '{self.scope}' needs {_DATA_DEPENDENT[func]}; a static kernel graph cannot "
+                "express it (and a `meta` trace cannot run it). Make it static: keep such values as host-side "
+                "Python numbers computed from the shapes, pass them to the step as inputs or constants, or use "
+                "a fixed-shape alternative (masks with torch.where(cond, a, b), topk, sort, index_select).")
+        with self.executing_op():
+            out = func(*args, **kwargs)
+        if func.is_view or func is aten.lift_fresh.default or self._aliases_only(func, args, kwargs, out):
+            return out
+        if func in _ALLOCATIONS:
+            self._add_buffer(out, f"{self.scope}:alloc#{len(self.buffers)}", "activation")
+            return out
+        self.record(func, args, kwargs, out)
+        return out
+
+    @staticmethod
+    def _aliases_only(func, args, kwargs, out) -> bool:
+        """An op that writes nothing and returns views of its inputs (e.g. _unsafe_view) is no kernel."""
+        if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+            return False
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        ins = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        return bool(outs) and all(_storage_key(o) in ins for o in outs)
+
+    def record(self, func, args, kwargs, out) -> None:
+        index = len(self.kernels)
+        schema = func._schema
+        written: list[torch.Tensor] = []
+        read: list[torch.Tensor] = []
+        bound = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
+        for arg, value in zip(schema.arguments, bound, strict=False):
+            tensors = [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+            is_write = arg.alias_info is not None and arg.alias_info.is_write
+            if is_write:
+                written.extend(tensors)
+                if not arg.is_out:
+                    read.extend(tensors)  # in-place ops read what they overwrite
+            else:
+                read.extend(tensors)
+        outs = [o for o in tree_flatten(out)[0]] if out is not None else []
+        scope = self.scope
+        op = str(func)
+        ordinal = self.ordinals[(scope, op)]
+        input_keys = {_storage_key(t) for t in read + written}
+        out_refs: list[Any] = []
+        for j, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor):
+                out_refs.append(None)
+                continue
+            if _storage_key(o) in input_keys and _storage_key(o) in self.names:
+                out_refs.append(self.ref(o).to_json())  # returns (a view of) an argument it wrote in place
+                continue
+            self._add_buffer(o, f"{scope}:{op}#{ordinal}:out{j}", "activation")
+            written.append(o)
+            out_refs.append(self.ref(o).to_json())
+        try:
+            enc_args = encode(list(args), self.ref)
+            enc_kwargs = {k: encode(v, self.ref) for k, v in kwargs.items()}
+        except TypeError as e:
+            raise TraceError(f"{op} in module '{scope}': {e}") from e
+        bytes_read = bytes_written = 0
+        for mode, tensors in (("read", read), ("write", written)):
+            for t in tensors:
+                r = self.ref(t)
+                acc = Access(index, r.buffer, mode, r.offset, r.sizes, r.strides, t.element_size())
+                self.accesses.append(acc)
+                nb = acc.region.nbytes_touched
+                if mode == "read":
+                    bytes_read += nb
+                else:
+                    bytes_written += nb
+        tensor_args = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        self.ordinals[(scope, op)] += 1
+        self.kernels.append(Kernel(
+            index=index, op=op, scope=scope, ordinal=ordinal, layer=layer_of(scope), op_class=op_class(op),
+            args=enc_args, kwargs=enc_kwargs, outputs=out_refs,
+            shapes=[list(t.shape) for t in tensor_args], dtypes=[dtype_name(t.dtype) for t in tensor_args],
+            flops=flops_of(func, args, kwargs, out), bytes_read=bytes_read, bytes_written=bytes_written))
+
+    # -- module scopes ------------------------------------------------------------------------------
+    def _pre_hook(self, module, _args):
+        self.scopes.append(self.module_names.get(id(module), type(module).__name__))
+
+    def _post_hook(self, module, _args, _out):
+        if self.scopes:
+            self.scopes.pop()
+
+
+def trace(step: Step) -> KernelGraph:
+    """Run ``step`` under the recorder and return its KernelGraph."""
+    t0 = time.perf_counter()
+    rec = _Recorder(step)
+    rec.step_device = next(iter(step.inputs.values())).device.type if step.inputs else "meta"
+    pre = torch.nn.modules.module.register_module_forward_pre_hook(rec._pre_hook)
+    post = torch.nn.modules.module.register_module_forward_hook(rec._post_hook, always_call=True)
+    try:
+        with torch.no_grad(), _FusedUnits(rec), rec:
+            outputs = step.fn(step.inputs, step.state, step.constants)
+    finally:
+        pre.remove()
+        post.remove()
+    out_refs = {}
+    for name, t in outputs.items():
+        r = rec.ref(t)
+        buf = rec.buffers[r.buffer]
+        if buf.kind == "activation":
+            buf.kind = "output"
+        out_refs[name] = r.to_json()
+    edges = compute_edges(rec.accesses)
+    meta = dict(step.meta) | {"family": step.family, "device": rec.step_device,
+                              "trace_seconds": round(time.perf_counter() - t0, 4)}
+    return KernelGraph(model=step.model, phase=step.phase, meta=meta, kernels=rec.kernels, buffers=rec.buffers,
+                       accesses=rec.accesses, edges=edges, inputs=list(step.inputs), state=list(step.state),
+                       outputs=out_refs)

@@ -1,0 +1,82 @@
+"""Kernel classes (what bounds a kernel: GEMM, attention, elementwise...) and FLOP counts."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+OP_CLASSES = ("gemm", "grouped_gemm", "attention", "conv", "embedding", "reduction", "norm", "scan",
+              "copy", "elementwise")
+
+_BY_NAME = {
+    "gemm": {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "addmv", "mv", "dot"},
+    "grouped_gemm": {"_grouped_mm", "grouped_mm", "grouped_mm_fallback"},
+    "attention": {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                  "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_cudnn_attention", "prefill_attention", "decode_attention"},
+    "conv": {"convolution", "_convolution", "conv1d", "conv2d", "conv3d", "cudnn_convolution",
+             "_slow_conv2d_forward", "upsample_nearest2d", "upsample_bilinear2d"},
+    "embedding": {"embedding", "index_select", "gather", "index"},
+    "norm": {"native_layer_norm", "native_group_norm", "rms_norm", "_fused_rms_norm", "layer_norm",
+             "group_norm"},
+    "reduction": {"sum", "mean", "amax", "amin", "max", "min", "var_mean", "var", "std", "_softmax",
+                  "_log_softmax", "softmax", "topk", "sort", "argmax", "argmin", "argsort", "histc", "norm",
+                  "linalg_vector_norm", "prod", "all", "any", "logsumexp"},
+    "scan": {"cumsum", "cumprod", "_cummax_helper", "_cummin_helper"},
+    "copy": {"_to_copy", "copy_", "clone", "cat", "stack", "index_put_", "index_put", "index_copy_",
+             "index_copy", "scatter", "scatter_", "scatter_add", "scatter_add_", "slice_scatter",
+             "select_scatter", "constant_pad_nd", "repeat", "roll", "flip", "masked_scatter",
+             "masked_scatter_", "fill_", "zero_", "zeros", "ones", "full", "zeros_like", "ones_like",
+             "full_like", "arange", "index_add_", "index_add", "_unsafe_index", "repeat_interleave",
+             "new_zeros", "new_ones", "new_full", "tril", "triu", "split_with_sizes_copy"},
+}
+_CLASS_OF = {name: cls for cls, names in _BY_NAME.items() for name in names}
+
+
+def op_base_name(op: str) -> str:
+    """``aten.mm.default`` -> ``mm``; ``tessera.decode_attention.default`` -> ``decode_attention``."""
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 2 else op
+
+
+def op_class(op: str) -> str:
+    """The class of a kernel by its op name (elementwise when nothing more specific applies)."""
+    return _CLASS_OF.get(op_base_name(op), "elementwise")
+
+
+def _numel(t) -> int:
+    return math.prod(t.shape) if isinstance(t, torch.Tensor) else 0
+
+
+def _attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    b, h, sq, d = q.shape
+    sk, dv = k.shape[-2], v.shape[-1]
+    return 2 * b * h * sq * sk * (d + dv)
+
+
+def flops_of(func, args, kwargs, out) -> int:
+    """Floating-point operations of one kernel (multiply-add = 2), from shapes only."""
+    name = op_base_name(str(func))
+    try:
+        if name in ("scaled_dot_product_attention", "prefill_attention", "decode_attention"):
+            return _attention_flops(args[0], args[1], args[2])
+        if name in ("_grouped_mm",):
+            a, w = args[0], args[1]
+            return 2 * a.shape[0] * a.shape[-1] * w.shape[-1]
+        from torch.utils.flop_counter import flop_registry
+
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            return int(formula(*args, **kwargs, out_val=out))
+    except Exception:  # noqa: BLE001 - a FLOP estimate must never break a trace
+        pass
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    cls = op_class(str(func))
+    if cls in ("copy", "embedding"):
+        return 0
+    if cls in ("reduction", "norm", "scan"):
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        return max((_numel(t) for t in ins), default=0) * (5 if cls == "norm" else 1)
+    return sum(_numel(o) for o in outs)

@@ -1,0 +1,62 @@
+"""Weights as safetensors files keyed by state-dict name (tied weights stored once)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from tessera.errors import TesseraError
+
+
+class WeightsError(TesseraError):
+    """Weights are missing or do not match the graph."""
+
+
+def unique_state(modules: dict[str, nn.Module]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """State-dict tensors of named roots, each storage once, and alias -> canonical name for the rest."""
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[int, str] = {}
+    for root, mod in modules.items():
+        for name, t in mod.state_dict(keep_vars=True).items():
+            full = f"{root}.{name}" if root else name
+            key = t.untyped_storage()._cdata
+            if key in seen:
+                aliases[full] = seen[key]
+                continue
+            seen[key] = full
+            tensors[full] = t.detach().contiguous()
+    return tensors, aliases
+
+
+def save_weights(modules: dict[str, nn.Module], path: str | Path) -> Path:
+    """Write the weights of ``modules`` to one safetensors file (aliases in its metadata)."""
+    tensors, aliases = unique_state(modules)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"tessera_aliases": json.dumps(aliases)})
+    return path
+
+
+def load_weights(path: str | Path, names: list[str] | None = None,
+                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Read weights (all, or only ``names``) from a safetensors file; aliases resolve to their target."""
+    path = Path(path)
+    if not path.is_file():
+        raise WeightsError(f"weights file {path} does not exist")
+    out: dict[str, torch.Tensor] = {}
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        meta = f.metadata() or {}
+        aliases = json.loads(meta.get("tessera_aliases", "{}"))
+        keys = set(f.keys())
+        for name in (names if names is not None else sorted(keys)):
+            key = name if name in keys else aliases.get(name)
+            if key is None or key not in keys:
+                continue
+            out[name] = f.get_tensor(key)
+    return out
