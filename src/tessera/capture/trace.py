@@ -17,14 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from tessera.capture.step import Step, qualified
 from tessera.errors import TesseraError
 from tessera.graph.codec import dtype_name, encode
 from tessera.graph.deps import compute_edges
 from tessera.graph.ir import Access, Buffer, Kernel, KernelGraph, TensorRef
-from tessera.graph.opclass import flops_of, op_class
+from tessera.graph.opclass import flops_of, indexed_traffic, op_class
 from tessera.graph.values import pack_values
 
 aten = torch.ops.aten
@@ -52,6 +51,17 @@ _DATA_DEPENDENT = {
 _ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
                 aten.new_empty.default, aten.new_empty_strided.default}
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|blocks|transformer_blocks|single_transformer_blocks|h|block)\.(\d+)(?:\.|$)")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """Tensors inside an argument (nested lists, tuples and dicts), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -194,8 +204,8 @@ class _Recorder(TorchDispatchMode):
         """An op that writes nothing and returns views of its inputs (e.g. _unsafe_view) is no kernel."""
         if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
             return False
-        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-        ins = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        outs = _tensors(out)
+        ins = {_storage_key(t) for t in _tensors((args, kwargs))}
         return bool(outs) and all(_storage_key(o) in ins for o in outs)
 
     def record(self, func, args, kwargs, out) -> None:
@@ -205,7 +215,7 @@ class _Recorder(TorchDispatchMode):
         read: list[torch.Tensor] = []
         bound = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
         for arg, value in zip(schema.arguments, bound, strict=False):
-            tensors = [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+            tensors = _tensors(value)
             is_write = arg.alias_info is not None and arg.alias_info.is_write
             if is_write:
                 written.extend(tensors)
@@ -213,7 +223,7 @@ class _Recorder(TorchDispatchMode):
                     read.extend(tensors)  # in-place ops read what they overwrite
             else:
                 read.extend(tensors)
-        outs = [o for o in tree_flatten(out)[0]] if out is not None else []
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
         scope = self.scope
         op = str(func)
         ordinal = self.ordinals[(scope, op)]
@@ -245,7 +255,10 @@ class _Recorder(TorchDispatchMode):
                     bytes_read += nb
                 else:
                     bytes_written += nb
-        tensor_args = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        traffic = indexed_traffic(func, args, out)
+        if traffic is not None:
+            bytes_read, bytes_written = traffic
+        tensor_args = _tensors((args, kwargs))
         self.ordinals[(scope, op)] += 1
         self.kernels.append(Kernel(
             index=index, op=op, scope=scope, ordinal=ordinal, layer=layer_of(scope), op_class=op_class(op),

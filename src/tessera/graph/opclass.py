@@ -80,3 +80,31 @@ def flops_of(func, args, kwargs, out) -> int:
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         return max((_numel(t) for t in ins), default=0) * (5 if cls == "norm" else 1)
     return sum(_numel(o) for o in outs)
+
+
+# Ops whose indices select a part of a tensor argument: the bytes they move are those of the selected
+# elements (the dependency analysis still treats the whole argument as touched, since the indices
+# are only known at run time).
+_INDEXED_WRITES = {"index_put_", "index_put", "index_copy_", "index_copy", "scatter_", "scatter",
+                   "scatter_add_", "scatter_add", "index_add_", "index_add"}
+_INDEXED_READS = {"embedding", "index_select", "index", "gather", "_unsafe_index"}
+
+
+def indexed_traffic(func, args, out) -> tuple[int, int] | None:
+    """(bytes read, bytes written) of an indexed op from its selected elements; None for other ops."""
+    name = op_base_name(str(func))
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+
+    def nbytes(t):
+        return _numel(t) * t.element_size()
+
+    if name in _INDEXED_WRITES and tensors:
+        moved = sum(nbytes(t) for t in tensors[1:])  # indices and values/source, not the whole target
+        values = max((nbytes(t) for t in tensors[1:] if t.is_floating_point()), default=0)
+        return moved, values
+    if name in _INDEXED_READS and outs:
+        written = sum(nbytes(o) for o in outs)
+        indices = sum(nbytes(t) for t in tensors if not t.is_floating_point())
+        return written + indices, written
+    return None

@@ -1,0 +1,162 @@
+"""From (model, phase, shapes) to a traceable Step: the phases of each family and their defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tessera.capture.build import instantiate
+from tessera.capture.models import ModelSpec, load_config, resolve_model
+from tessera.capture.step import Step
+from tessera.errors import TesseraError
+
+PHASES: dict[str, tuple[str, ...]] = {
+    "llm": ("prefill", "decode"),
+    "moe": ("prefill", "decode"),
+    "ssm": ("prefill", "decode"),
+    "vlm": ("encode", "prefill", "decode"),
+    "diffusion": ("encode", "step", "decode"),
+}
+
+DEFAULT_BATCH = {"prefill": 1, "decode": 8, "encode": 1, "step": 1}
+DEFAULT_SEQ = 512
+DEFAULT_CTX = 2048
+DEFAULT_IMAGE = (504, 504)
+DEFAULT_RESOLUTION = (1024, 1024)
+
+
+class ShapeError(TesseraError):
+    """Shapes that the model cannot take (batch < 1, context beyond its positions...)."""
+
+
+class PhaseError(TesseraError):
+    """A phase that the model's family does not have."""
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The static shapes of a step: batch, prompt length, cache capacity, image size or resolution."""
+
+    batch: int
+    seq: int
+    ctx: int
+    image: tuple[int, int] | None = None
+    resolution: tuple[int, int] | None = None
+
+
+def resolve_shape(spec: ModelSpec, config, phase: str, batch: int | None = None, seq: int | None = None,
+                  ctx: int | None = None, image: tuple[int, int] | None = None,
+                  resolution: tuple[int, int] | None = None) -> StepShape:
+    """Fill defaults and check the shapes against the model (clear errors for impossible ones)."""
+    batch = DEFAULT_BATCH.get(phase, 1) if batch is None else batch
+    seq = DEFAULT_SEQ if seq is None else seq
+    if batch < 1:
+        raise ShapeError(f"--batch must be at least 1 (got {batch})")
+    if seq < 1:
+        raise ShapeError(f"--seq must be at least 1 (got {seq})")
+    if spec.family == "diffusion":
+        return StepShape(batch, seq, 0, resolution=resolution or DEFAULT_RESOLUTION)
+    text = getattr(config, "text_config", config)
+    max_pos = getattr(text, "max_position_embeddings", None)
+    ctx = (max(DEFAULT_CTX, seq) if max_pos is None else min(max(DEFAULT_CTX, seq), max_pos)) if ctx is None else ctx
+    if ctx < 1:
+        raise ShapeError(f"--ctx must be at least 1 (got {ctx})")
+    if phase == "prefill" and seq > ctx:
+        raise ShapeError(f"prompt length --seq {seq} exceeds the cache capacity --ctx {ctx}; raise --ctx to at "
+                         f"least {seq}")
+    if max_pos is not None and spec.family != "ssm" and ctx > max_pos:
+        raise ShapeError(f"context {ctx} is beyond {spec.name}'s max_position_embeddings ({max_pos}); use "
+                         f"--ctx {max_pos} or less")
+    return StepShape(batch, seq, ctx, image=(image or DEFAULT_IMAGE) if spec.family == "vlm" else None)
+
+
+def check_phase(spec: ModelSpec, phase: str) -> None:
+    phases = PHASES[spec.family]
+    if phase not in phases:
+        raise PhaseError(f"{spec.name} is a {spec.family} model; its phases are {', '.join(phases)} "
+                         f"(got {phase!r})")
+
+
+def build_modules(spec: ModelSpec, device: str = "meta", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                  config=None):
+    """The model's modules (one root, or a pipeline's components) and their constants' host values."""
+    if spec.family == "diffusion":
+        from tessera.capture.steps.diffusion import build_sd3_components
+
+        configs = {c: load_config(spec, c) for c in spec.components if c != "scheduler"}
+        return build_sd3_components(configs, device=device, dtype=dtype, seed=seed)
+    config = load_config(spec) if config is None else config
+    return instantiate(lambda: build_model(spec.family, config, dtype), device, seed=seed)
+
+
+def build_model(family: str, config, dtype: torch.dtype = torch.bfloat16):
+    """A transformers model of ``family`` for ``config``, wired to Tessera's kernels."""
+    if family in ("llm", "moe"):
+        from tessera.capture.steps.llm import build_causal_lm
+
+        return build_causal_lm(config, dtype)
+    if family == "ssm":
+        from tessera.capture.steps.ssm import build_mamba2
+
+        return build_mamba2(config, dtype)
+    if family == "vlm":
+        from tessera.capture.steps.vlm import build_vlm
+
+        return build_vlm(config, dtype)
+    raise PhaseError(f"family {family!r} has no single-model builder")
+
+
+def step_for(spec: ModelSpec, modules, constant_values, phase: str, shape: StepShape, device: str = "meta",
+             inputs: dict[str, torch.Tensor] | None = None,
+             state: dict[str, torch.Tensor] | None = None) -> Step:
+    """The Step of ``phase`` for already-built modules."""
+    check_phase(spec, phase)
+    common = dict(model_name=spec.name, phase=phase, batch=shape.batch, device=device, inputs=inputs)
+    if spec.family in ("llm", "moe"):
+        from tessera.capture.steps.llm import llm_step
+
+        return llm_step(modules, constant_values, family=spec.family, seq=shape.seq, ctx=shape.ctx, state=state,
+                        **common)
+    if spec.family == "ssm":
+        from tessera.capture.steps.ssm import ssm_step
+
+        return ssm_step(modules, constant_values, seq=shape.seq, ctx=shape.ctx, state=state, **common)
+    if spec.family == "vlm":
+        from tessera.capture.steps.vlm import vlm_step
+
+        return vlm_step(modules, constant_values, seq=shape.seq, ctx=shape.ctx, image=shape.image, **common)
+    from tessera.capture.steps.diffusion import diffusion_step
+
+    return diffusion_step(modules, constant_values, resolution=shape.resolution, **common)
+
+
+def make_step(model: str, phase: str, *, batch: int | None = None, seq: int | None = None,
+              ctx: int | None = None, image: tuple[int, int] | None = None,
+              resolution: tuple[int, int] | None = None, device: str = "meta") -> Step:
+    """Resolve ``model`` (checked first), validate phase and shapes, build it and return the Step."""
+    spec = resolve_model(model)
+    check_phase(spec, phase)
+    config = load_config(spec)
+    shape = resolve_shape(spec, config, phase, batch, seq, ctx, image, resolution)
+    modules, values = build_modules(spec, device, config=None if spec.family == "diffusion" else config)
+    return step_for(spec, modules, values, phase, shape, device)
+
+
+def parse_size(text: str, option: str, square_ok: bool = True) -> tuple[int, int]:
+    """Parse ``WxH`` (or ``N`` for a square when ``square_ok``) into (width, height)."""
+    parts = text.lower().split("x")
+    try:
+        if len(parts) == 1 and square_ok:
+            w = h = int(parts[0])
+        elif len(parts) == 2:
+            w, h = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        form = "N or WxH" if square_ok else "WxH"
+        raise ShapeError(f"{option} {text!r} is not a size; expected {form} with positive integers, "
+                         f"e.g. {'1024 or 1024x768' if square_ok else '504x504'}") from None
+    if w <= 0 or h <= 0:
+        raise ShapeError(f"{option} {text!r}: width and height must be positive")
+    return w, h

@@ -1,0 +1,18 @@
+"""Shared fixtures: tiny models of each family built on the CPU and on `meta`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from tessera.capture.models import smollm2_dir
+
+    return smollm2_dir()
