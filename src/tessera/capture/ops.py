@@ -1,11 +1,8 @@
-"""Tessera's own fused kernels and the hooks that route Hugging Face models through them.
+"""Hooks that route Hugging Face models through Tessera's kernels and engine-owned state.
 
-Attention over the engine-owned KV cache is one kernel per layer, like the fused attention kernels of
-vLLM or SGLang: `tessera::prefill_attention` (causal, over the new tokens) and
-`tessera::decode_attention` (one query per row against that row's cache slot, masked by the row's
-own position, so rows at different context lengths share one step). Both support grouped-query
-attention, sliding windows and attention sinks (GPT-oss). They are `torch.library` custom ops, so a
-trace records each as a single kernel, on `meta` as on a real device.
+The attention-interface function writes K/V into the engine cache of the current step and calls the
+fused attention kernels of :mod:`tessera.kernels`; the experts function runs MoE experts as grouped
+GEMMs with static shapes.
 """
 
 from __future__ import annotations
@@ -14,70 +11,8 @@ import contextvars
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-# ---------------------------------------------------------------------------------------------------
-# Fused attention kernels
-
-
-def _sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                     scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
-    """SDPA with a boolean mask; sinks add a per-head logit to the softmax denominator only."""
-    if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
-    # A sink is an extra key whose score is the per-head sink logit and whose value is zero.
-    heads = q.shape[1]
-    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
-    bias = bias.expand(*bias.shape[:1], heads, *bias.shape[2:]) if bias.shape[1] == 1 else bias
-    sink_col = sinks.to(q.dtype).view(1, heads, 1, 1).expand(bias.shape[0], heads, bias.shape[2], 1)
-    bias = torch.cat([bias, sink_col], dim=-1)
-    zeros = k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3])
-    return F.scaled_dot_product_attention(q, torch.cat([k, zeros], 2), torch.cat([v, zeros], 2),
-                                          attn_mask=bias, scale=scale, enable_gqa=True)
-
-
-@torch.library.custom_op("tessera::prefill_attention", mutates_args=())
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
-                      sinks: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention of S new tokens. q [B,H,S,D], k/v [B,KVH,S,D] -> [B,S,H,D]."""
-    s = q.shape[2]
-    if window <= 0 and sinks is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        i = torch.arange(s, device=q.device)
-        allowed = i[None, :] <= i[:, None]
-        if window > 0:
-            allowed &= i[None, :] > i[:, None] - window
-        out = _sdpa_with_sinks(q, k, v, allowed[None, None], scale, sinks)
-    return out.transpose(1, 2).contiguous()
-
-
-@prefill_attention.register_fake
-def _(q, k, v, scale, window, sinks):
-    b, h, s, d = q.shape
-    return q.new_empty(b, s, h, v.shape[-1])
-
-
-@torch.library.custom_op("tessera::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     positions: torch.Tensor, scale: float, window: int,
-                     sinks: torch.Tensor | None) -> torch.Tensor:
-    """One query per row against its cache slot, keys 0..position. q [B,H,1,D] -> [B,1,H,D]."""
-    k = k_cache.index_select(0, slots)
-    v = v_cache.index_select(0, slots)
-    j = torch.arange(k.shape[2], device=q.device)
-    allowed = j[None, :] <= positions[:, None]
-    if window > 0:
-        allowed &= j[None, :] > positions[:, None] - window
-    out = _sdpa_with_sinks(q, k, v, allowed[:, None, None, :], scale, sinks)
-    return out.transpose(1, 2).contiguous()
-
-
-@decode_attention.register_fake
-def _(q, k_cache, v_cache, slots, positions, scale, window, sinks):
-    b, h, s, d = q.shape
-    return q.new_empty(b, s, h, v_cache.shape[-1])
-
+import tessera.kernels  # noqa: F401  (registers the tessera:: ops)
 
 # ---------------------------------------------------------------------------------------------------
 # The step context: what the attention and state hooks of the current step read

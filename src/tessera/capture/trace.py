@@ -7,6 +7,7 @@ with a stable name and every argument to a strided view of it, so accesses and e
 
 from __future__ import annotations
 
+import gc
 import re
 import time
 from collections import Counter
@@ -64,6 +65,23 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def _layout_key(value: Any) -> Any:
+    """A hashable description of an argument with tensors reduced to their layout."""
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.stride(), value.dtype, value.storage_offset())
+    if isinstance(value, (list, tuple)):
+        return tuple(_layout_key(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _layout_key(v)) for k, v in value.items())
+    return value
+
+
+def _min_nbytes(t: torch.Tensor) -> int:
+    if t.numel() == 0:
+        return 0
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -103,6 +121,7 @@ class _Recorder(TorchDispatchMode):
         self.scopes: list[str] = []
         self.ordinals: Counter[tuple[str, str]] = Counter()
         self.executing = False
+        self.memo: dict | None = None  # set for meta traces, see _run
         self.module_names: dict[int, str] = {}
         for root, mod in step.modules.items():
             for name, sub in mod.named_modules():
@@ -189,14 +208,40 @@ class _Recorder(TorchDispatchMode):
                 "express it (and a `meta` trace cannot run it). Make it static: keep such values as host-side "
                 "Python numbers computed from the shapes, pass them to the step as inputs or constants, or use "
                 "a fixed-shape alternative (masks with torch.where(cond, a, b), topk, sort, index_select).")
-        with self.executing_op():
-            out = func(*args, **kwargs)
+        out = self._run(func, args, kwargs)
         if func.is_view or func is aten.lift_fresh.default or self._aliases_only(func, args, kwargs, out):
             return out
         if func in _ALLOCATIONS:
             self._add_buffer(out, f"{self.scope}:alloc#{len(self.buffers)}", "activation")
             return out
         self.record(func, args, kwargs, out)
+        return out
+
+    def _run(self, func, args, kwargs):
+        """Run the op; on `meta`, ops already seen with the same argument layouts reuse the output
+        layouts (meta results depend on layouts only), which makes repeated layers cheap."""
+        key = None
+        if self.memo is not None and not func.is_view and func not in _ALLOCATIONS:
+            try:
+                key = (func, _layout_key(args), _layout_key(kwargs))
+                cached = self.memo.get(key)
+            except TypeError:  # an unhashable argument: just run the op
+                key = cached = None
+            if cached is not None:
+                outs = [torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+                        for shape, stride, dtype in cached[1]]
+                return outs[0] if cached[0] else tuple(outs)
+        with self.executing_op():
+            out = func(*args, **kwargs)
+        if key is not None and not func._schema.is_mutable:
+            single = isinstance(out, torch.Tensor)
+            outs = [out] if single else out
+            if isinstance(outs, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in outs):
+                ins = {_storage_key(t) for t in _tensors((args, kwargs))}
+                fresh = all(_storage_key(o) not in ins and o.storage_offset() == 0
+                            and o.untyped_storage().nbytes() == _min_nbytes(o) for o in outs)
+                if fresh:
+                    self.memo[key] = (single, [(tuple(o.shape), o.stride(), o.dtype) for o in outs])
         return out
 
     @staticmethod
@@ -239,18 +284,26 @@ class _Recorder(TorchDispatchMode):
             self._add_buffer(o, f"{scope}:{op}#{ordinal}:out{j}", "activation")
             written.append(o)
             out_refs.append(self.ref(o).to_json())
+        refs: dict[int, TensorRef] = {}
+
+        def ref(t: torch.Tensor) -> TensorRef:
+            r = refs.get(id(t))
+            if r is None:
+                r = refs[id(t)] = self.ref(t)
+            return r
+
         try:
-            enc_args = encode(list(args), self.ref)
-            enc_kwargs = {k: encode(v, self.ref) for k, v in kwargs.items()}
+            enc_args = encode(list(args), ref)
+            enc_kwargs = {k: encode(v, ref) for k, v in kwargs.items()}
         except TypeError as e:
             raise TraceError(f"{op} in module '{scope}': {e}") from e
         bytes_read = bytes_written = 0
         for mode, tensors in (("read", read), ("write", written)):
             for t in tensors:
-                r = self.ref(t)
+                r = ref(t)
                 acc = Access(index, r.buffer, mode, r.offset, r.sizes, r.strides, t.element_size())
                 self.accesses.append(acc)
-                nb = acc.region.nbytes_touched
+                nb = t.numel() * t.element_size() if t.is_contiguous() else acc.region.nbytes_touched
                 if mode == "read":
                     bytes_read += nb
                 else:
@@ -278,8 +331,12 @@ class _Recorder(TorchDispatchMode):
 def trace(step: Step) -> KernelGraph:
     """Run ``step`` under the recorder and return its KernelGraph."""
     t0 = time.perf_counter()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # the trace allocates many small objects and frees none; collection only costs time
     rec = _Recorder(step)
     rec.step_device = next(iter(step.inputs.values())).device.type if step.inputs else "meta"
+    if rec.step_device == "meta":
+        rec.memo = {}
     pre = torch.nn.modules.module.register_module_forward_pre_hook(rec._pre_hook)
     post = torch.nn.modules.module.register_module_forward_hook(rec._post_hook, always_call=True)
     try:
@@ -288,6 +345,8 @@ def trace(step: Step) -> KernelGraph:
     finally:
         pre.remove()
         post.remove()
+        if gc_was_enabled:
+            gc.enable()
     out_refs = {}
     for name, t in outputs.items():
         r = rec.ref(t)

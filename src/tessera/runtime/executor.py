@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 from torch.utils._pytree import tree_flatten
 
-from tessera.capture import ops as _tessera_ops  # noqa: F401  (registers tessera:: kernels)
+import tessera.kernels  # noqa: F401  (registers the tessera:: ops a graph may call)
 from tessera.errors import TesseraError
 from tessera.graph.codec import decode, dtype_from_name
 from tessera.graph.ir import KernelGraph, TensorRef
