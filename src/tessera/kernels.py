@@ -71,3 +71,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _(q, k_cache, v_cache, slots, positions, scale, window, sinks):
     b, h, s, d = q.shape
     return q.new_empty(b, s, h, v_cache.shape[-1])
+
+
+@torch.library.custom_op("tessera::segment_attention", mutates_args=())
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                      scale: float) -> torch.Tensor:
+    """Bidirectional attention within consecutive segments of a packed sequence (vision windows).
+
+    q/k/v [B,H,S,D] with S = sum(lengths) -> [B,S,H,D]. One kernel whatever the number of segments.
+    """
+    mask = None
+    if len(lengths) > 1:
+        ids = torch.repeat_interleave(torch.arange(len(lengths), device=q.device),
+                                      torch.tensor(lengths, device=q.device))
+        mask = ids[:, None] == ids[None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).contiguous()
+
+
+@segment_attention.register_fake
+def _(q, k, v, lengths, scale):
+    b, h, s, d = q.shape
+    return q.new_empty(b, s, h, v.shape[-1])

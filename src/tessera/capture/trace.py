@@ -92,6 +92,18 @@ def layer_of(scope: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _like_device_sdpa(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """On `meta`, give SDPA's output the layout the fused device kernels give it: the query's.
+
+    `meta` takes SDPA's math path, whose output is contiguous; the fused kernels (CPU flash attention,
+    CUDA flash) allocate it like the query. A query viewed [B,H,S,D] from a [B,S,H,D] projection then
+    makes the `meta` trace copy after attention where the device does not.
+    """
+    if out.device.type != "meta" or out.shape != query.shape:
+        return out
+    return torch.empty_like(query, dtype=out.dtype)
+
+
 class _FusedUnits(TorchFunctionMode):
     """Catch fused torch functions above the dispatcher so they are recorded as one kernel."""
 
@@ -103,7 +115,7 @@ class _FusedUnits(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and not self.recorder.executing:
             with self.recorder.executing_op():
-                out = func(*args, **kwargs)
+                out = _like_device_sdpa(func(*args, **kwargs), args[0] if args else kwargs["query"])
             self.recorder.record(aten.scaled_dot_product_attention.default, args, kwargs, out)
             return out
         return func(*args, **kwargs)

@@ -15,7 +15,8 @@ _BY_NAME = {
     "grouped_gemm": {"_grouped_mm", "grouped_mm", "grouped_mm_fallback"},
     "attention": {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
                   "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                  "_scaled_dot_product_cudnn_attention", "prefill_attention", "decode_attention"},
+                  "_scaled_dot_product_cudnn_attention", "prefill_attention", "decode_attention",
+                  "segment_attention"},
     "conv": {"convolution", "_convolution", "conv1d", "conv2d", "conv3d", "cudnn_convolution",
              "_slow_conv2d_forward", "upsample_nearest2d", "upsample_bilinear2d"},
     "embedding": {"embedding", "index_select", "gather", "index"},
@@ -62,6 +63,9 @@ def flops_of(func, args, kwargs, out) -> int:
     try:
         if name in ("scaled_dot_product_attention", "prefill_attention", "decode_attention"):
             return _attention_flops(args[0], args[1], args[2])
+        if name == "segment_attention":  # block-diagonal: only within-segment pairs
+            q, v, lengths = args[0], args[2], args[3]
+            return 2 * q.shape[0] * q.shape[1] * sum(n * n for n in lengths) * (q.shape[-1] + v.shape[-1])
         if name in ("_grouped_mm",):
             a, w = args[0], args[1]
             return 2 * a.shape[0] * a.shape[-1] * w.shape[-1]

