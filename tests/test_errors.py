@@ -88,7 +88,7 @@ def test_data_dependent_op_names_op_module_and_static_alternative(device):
 
 def test_bad_image_and_resolution_sizes():
     r = _cli("trace", "qwen2.5-vl-7b", "--phase", "encode", "--image", "504by504")
-    assert r.exit_code == 2 and "WxH" in r.output
+    assert r.exit_code == 2 and "WIDTHxHEIGHT" in r.output
     r = _cli("trace", "sd3.5-medium", "--phase", "decode", "--resolution", "0")
     assert r.exit_code == 2 and "positive" in r.output
 

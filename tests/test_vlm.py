@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tessera.capture.build import instantiate
+from tessera.capture.models import tiny_config
 from tessera.capture.steps.vlm import (
     build_vlm,
     image_grid,
     parse_image_size,
-    tiny_qwen25vl_config,
     vlm_step,
 )
 from tessera.capture.trace import trace
@@ -29,7 +29,7 @@ BATCH, SEQ, CTX, START = 2, 20, 32, 3
 @pytest.fixture(scope="module")
 def tiny():
     """The tiny config and the same random model on the CPU and on meta (with constant values)."""
-    cfg = tiny_qwen25vl_config()
+    cfg = tiny_config("vlm")
     cpu, cpu_consts = instantiate(lambda: build_vlm(cfg), "cpu", seed=0)
     meta, meta_consts = instantiate(lambda: build_vlm(cfg), "meta")
     return cfg, cpu, cpu_consts, meta, meta_consts

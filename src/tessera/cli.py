@@ -68,7 +68,9 @@ def trace(
 ) -> None:
     """Trace one model step into a KernelGraph and print its summary."""
     from tessera.capture.models import resolve_model
-    from tessera.capture.phases import check_phase, make_step, parse_size
+    from tessera.capture.phases import check_phase, make_step
+    from tessera.capture.steps.diffusion import parse_resolution
+    from tessera.capture.steps.vlm import parse_image_size
     from tessera.capture.trace import trace as run_trace
     from tessera.graph.summary import summarize
 
@@ -77,8 +79,8 @@ def trace(
         check_phase(spec, phase)
         if device not in ("meta", "cpu"):
             raise TesseraError(f"--device must be meta or cpu (got {device!r})")
-        img = parse_size(image, "--image", square_ok=False) if image else None
-        res = parse_size(resolution, "--resolution") if resolution else None
+        img = parse_image_size(image) if image else None
+        res = parse_resolution(resolution) if resolution else None
         with err.status(f"building {spec.name} on {device} and tracing its {phase} step..."):
             step = make_step(model, phase, batch=batch, seq=seq, ctx=ctx, image=img, resolution=res,
                              device=device)

@@ -15,3 +15,11 @@ class UnknownModelError(TesseraError):
 
 class ConfigError(TesseraError):
     """A model config file that cannot be read, or lacks a field Tessera needs."""
+
+
+class ShapeError(TesseraError, ValueError):
+    """Shapes a model cannot take: batch < 1, a context beyond its positions, an image that does not tile."""
+
+
+class PhaseError(TesseraError, ValueError):
+    """A phase that the model's family does not have."""

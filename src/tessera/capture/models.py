@@ -550,7 +550,7 @@ def _tiny_diffusion(dtype: str) -> dict[str, dict[str, Any]]:
         "eos_token_id": 2,
         "pad_token_id": 1,
         "vocab_size": 1000,
-        "max_position_embeddings": 16,
+        "max_position_embeddings": 77,  # SD3 pads every CLIP prompt to 77 tokens
     }
     return {
         "transformer": {

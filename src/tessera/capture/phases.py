@@ -9,7 +9,7 @@ import torch
 from tessera.capture.build import instantiate
 from tessera.capture.models import ModelSpec, load_config, resolve_model
 from tessera.capture.step import Step
-from tessera.errors import TesseraError
+from tessera.errors import PhaseError, ShapeError
 
 PHASES: dict[str, tuple[str, ...]] = {
     "llm": ("prefill", "decode"),
@@ -24,14 +24,6 @@ DEFAULT_SEQ = 512
 DEFAULT_CTX = 2048
 DEFAULT_IMAGE = (504, 504)
 DEFAULT_RESOLUTION = (1024, 1024)
-
-
-class ShapeError(TesseraError):
-    """Shapes that the model cannot take (batch < 1, context beyond its positions...)."""
-
-
-class PhaseError(TesseraError):
-    """A phase that the model's family does not have."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +41,8 @@ def resolve_shape(spec: ModelSpec, config, phase: str, batch: int | None = None,
                   ctx: int | None = None, image: tuple[int, int] | None = None,
                   resolution: tuple[int, int] | None = None) -> StepShape:
     """Fill defaults and check the shapes against the model (clear errors for impossible ones)."""
-    batch = DEFAULT_BATCH.get(phase, 1) if batch is None else batch
+    if batch is None:
+        batch = 1 if spec.family == "diffusion" else DEFAULT_BATCH.get(phase, 1)
     seq = DEFAULT_SEQ if seq is None else seq
     if batch < 1:
         raise ShapeError(f"--batch must be at least 1 (got {batch})")
@@ -142,21 +135,3 @@ def make_step(model: str, phase: str, *, batch: int | None = None, seq: int | No
     modules, values = build_modules(spec, device, config=None if spec.family == "diffusion" else config)
     return step_for(spec, modules, values, phase, shape, device)
 
-
-def parse_size(text: str, option: str, square_ok: bool = True) -> tuple[int, int]:
-    """Parse ``WxH`` (or ``N`` for a square when ``square_ok``) into (width, height)."""
-    parts = text.lower().split("x")
-    try:
-        if len(parts) == 1 and square_ok:
-            w = h = int(parts[0])
-        elif len(parts) == 2:
-            w, h = int(parts[0]), int(parts[1])
-        else:
-            raise ValueError
-    except ValueError:
-        form = "N or WxH" if square_ok else "WxH"
-        raise ShapeError(f"{option} {text!r} is not a size; expected {form} with positive integers, "
-                         f"e.g. {'1024 or 1024x768' if square_ok else '504x504'}") from None
-    if w <= 0 or h <= 0:
-        raise ShapeError(f"{option} {text!r}: width and height must be positive")
-    return w, h

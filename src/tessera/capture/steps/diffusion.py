@@ -11,10 +11,8 @@ Weights are named by component root: ``transformer.*``, ``text_encoder.*``, ``te
 from __future__ import annotations
 
 import functools
-import json
 import re
 from collections.abc import Callable
-from pathlib import Path
 from unittest import mock
 
 import torch
@@ -22,6 +20,7 @@ from torch import nn
 
 from tessera.capture.build import instantiate
 from tessera.capture.step import Step
+from tessera.errors import PhaseError, ShapeError
 
 DIFFUSION_PHASES = ("encode", "step", "decode")
 COMPONENTS = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae")
@@ -35,46 +34,12 @@ RESOLUTION_MULTIPLE = 16  # VAE downsampling (8) x transformer patch size (2)
 DEFAULT_GUIDANCE = 7.0  # StableDiffusion3Pipeline's default guidance_scale
 DEFAULT_STEPS = 28  # StableDiffusion3Pipeline's default num_inference_steps
 DEFAULT_SHIFT = 3.0  # FlowMatchEulerDiscreteScheduler shift of SD3 / SD3.5
-CATALOG = Path(__file__).resolve().parent.parent / "catalog"
 
 _RESOLUTION_RE = re.compile(r"^\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?$")
 
 
 # ---------------------------------------------------------------------------------------------------
 # Configs
-
-
-def sd3_catalog_configs(model: str = "sd3.5-medium") -> dict[str, dict]:
-    """Component configs of a catalog pipeline (``<component>/config.json``) by component name."""
-    base = CATALOG / model
-    return {c: json.loads((base / c / "config.json").read_text()) for c in COMPONENTS}
-
-
-def tiny_sd3_configs() -> dict[str, dict]:
-    """Tiny random-init component configs (2 layers each) with SD3's structure and wiring."""
-    clip = {"hidden_act": "quick_gelu", "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2,
-            "max_position_embeddings": CLIP_LEN, "vocab_size": 1000, "bos_token_id": 0, "eos_token_id": 2,
-            "pad_token_id": 1, "layer_norm_eps": 1e-5}
-    return {
-        "text_encoder": clip | {"hidden_size": 32, "projection_dim": 32},
-        "text_encoder_2": clip | {"hidden_act": "gelu", "hidden_size": 48, "projection_dim": 48},
-        "text_encoder_3": {"d_model": 96, "d_kv": 16, "num_heads": 2, "d_ff": 64, "num_layers": 2,
-                           "num_decoder_layers": 2, "feed_forward_proj": "gated-gelu", "dense_act_fn": "gelu_new",
-                           "is_gated_act": True, "relative_attention_num_buckets": 32,
-                           "relative_attention_max_distance": 128, "vocab_size": 1000, "dropout_rate": 0.0,
-                           "layer_norm_epsilon": 1e-6, "is_encoder_decoder": True, "tie_word_embeddings": False,
-                           "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0},
-        "transformer": {"_class_name": "SD3Transformer2DModel", "attention_head_dim": 16, "num_attention_heads": 2,
-                        "caption_projection_dim": 32, "joint_attention_dim": 96, "pooled_projection_dim": 80,
-                        "in_channels": 4, "out_channels": 4, "patch_size": 2, "num_layers": 2,
-                        "dual_attention_layers": [0], "qk_norm": "rms_norm", "pos_embed_max_size": 16,
-                        "sample_size": 16},
-        "vae": {"_class_name": "AutoencoderKL", "act_fn": "silu", "block_out_channels": [8, 16, 16, 16],
-                "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
-                "in_channels": 3, "out_channels": 3, "latent_channels": 4, "layers_per_block": 1,
-                "norm_num_groups": 4, "sample_size": 64, "scaling_factor": 1.5305, "shift_factor": 0.0609,
-                "use_post_quant_conv": False, "use_quant_conv": False, "force_upcast": True},
-    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -172,11 +137,11 @@ def parse_resolution(text: str) -> tuple[int, int]:
                 "(e.g. 1024 or 1024x768)")
     m = _RESOLUTION_RE.match(text)
     if m is None:
-        raise ValueError(f"invalid resolution {text!r}: {expected}")
+        raise ShapeError(f"invalid resolution {text!r}: {expected}")
     width = int(m.group(1))
     height = int(m.group(2)) if m.group(2) is not None else width
     if width <= 0 or height <= 0 or width % RESOLUTION_MULTIPLE or height % RESOLUTION_MULTIPLE:
-        raise ValueError(f"invalid resolution {text!r}: {expected}")
+        raise ShapeError(f"invalid resolution {text!r}: {expected}")
     return width, height
 
 
@@ -200,7 +165,7 @@ def latent_shape(modules: dict[str, nn.Module], batch: int, resolution: tuple[in
     factor, channels, patch = latent_geometry(modules)
     multiple = factor * patch
     if width <= 0 or height <= 0 or width % multiple or height % multiple:
-        raise ValueError(f"resolution {width}x{height} must be positive multiples of {multiple} "
+        raise ShapeError(f"resolution {width}x{height} must be positive multiples of {multiple} "
                          f"(VAE factor {factor} x patch size {patch})")
     return (batch, channels, height // factor, width // factor)
 
@@ -224,7 +189,7 @@ def diffusion_inputs(phase: str, modules: dict[str, nn.Module], batch: int, reso
     if phase == "decode":
         return {"latents": torch.zeros(latent_shape(modules, batch, resolution), **bf16)}
     if phase != "step":
-        raise ValueError(f"phase {phase!r} is not a diffusion phase (use {', '.join(DIFFUSION_PHASES)})")
+        raise PhaseError(f"phase {phase!r} is not a diffusion phase (use {', '.join(DIFFUSION_PHASES)})")
     tcfg = modules["transformer"].config
     timestep, sigma, sigma_next = first_step_schedule()
     f32 = {"dtype": torch.float32, "device": device}
@@ -302,7 +267,7 @@ def diffusion_step(modules: dict[str, nn.Module], constant_values: dict[str, tor
     (width, height); ``batch`` counts images (the step phase runs the transformer on 2*batch rows).
     """
     if phase not in DIFFUSION_PHASES:
-        raise ValueError(f"phase {phase!r} is not a diffusion phase (use {', '.join(DIFFUSION_PHASES)})")
+        raise PhaseError(f"phase {phase!r} is not a diffusion phase (use {', '.join(DIFFUSION_PHASES)})")
     missing = [c for c in PHASE_COMPONENTS[phase] if c not in modules]
     if missing:
         raise ValueError(f"the {phase} phase needs the components {', '.join(missing)}")
@@ -313,4 +278,4 @@ def diffusion_step(modules: dict[str, nn.Module], constant_values: dict[str, tor
     width, height = resolution
     return Step(model=model_name, family="diffusion", phase=phase, modules=used, fn=_phase_fn(phase, used),
                 inputs=inputs, state={}, constant_values=constants,
-                meta={"batch": batch, "width": width, "height": height, "t5_len": t5_len})
+                meta={"batch": batch, "resolution": [width, height], "t5_len": t5_len})

@@ -9,6 +9,7 @@ from torch import nn
 
 from tessera.capture.ops import StepContext, register_hf_hooks, step_context
 from tessera.capture.step import Step
+from tessera.errors import PhaseError
 
 
 def build_causal_lm(config, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
@@ -67,7 +68,7 @@ def llm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mode
     """A prefill step (``input_ids`` [B,S], ``slots``) or decode step (``input_ids`` [B,1],
     ``positions`` [B], ``slots`` [B]) of ``model``; outputs the last position's logits [B,1,V]."""
     if phase not in ("prefill", "decode"):
-        raise ValueError(f"phase {phase!r} is not a phase of an LLM (use prefill or decode)")
+        raise PhaseError(f"phase {phase!r} is not a phase of an LLM (use prefill or decode)")
     config = model.config
     dtype = next(model.parameters()).dtype
     if state is None:

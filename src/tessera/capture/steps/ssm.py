@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from tessera.capture.step import Step
+from tessera.errors import PhaseError
 
 
 def build_mamba2(config, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
@@ -94,7 +95,7 @@ def ssm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mode
     from tessera.capture.steps.llm import llm_inputs
 
     if phase not in ("prefill", "decode"):
-        raise ValueError(f"phase {phase!r} is not a phase of an SSM (use prefill or decode)")
+        raise PhaseError(f"phase {phase!r} is not a phase of an SSM (use prefill or decode)")
     config = model.config
     dtype = next(model.parameters()).dtype
     if state is None:

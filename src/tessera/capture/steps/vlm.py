@@ -26,9 +26,10 @@ from torch import nn
 from tessera.capture.ops import StepContext, register_hf_hooks, step_context
 from tessera.capture.step import Step
 from tessera.capture.steps.llm import kv_of, new_kv_cache
+from tessera.errors import PhaseError, ShapeError
 
 if TYPE_CHECKING:
-    from transformers import Qwen2_5_VLConfig
+    pass
 
 PHASES = ("encode", "prefill", "decode")
 ATTN_IMPLEMENTATION = {"": "sdpa", "text_config": "tessera", "vision_config": "sdpa"}
@@ -38,29 +39,6 @@ used as a reference) through SDPA."""
 
 # ---------------------------------------------------------------------------------------------------
 # Config and model
-
-
-def tiny_qwen25vl_config(dtype: str = "bfloat16") -> Qwen2_5_VLConfig:
-    """A two-layer Qwen2.5-VL config for fast tests (text hidden 64, vision hidden 32, window 56 px)."""
-    from transformers import Qwen2_5_VLConfig
-
-    return Qwen2_5_VLConfig(
-        architectures=["Qwen2_5_VLForConditionalGeneration"],
-        text_config={
-            "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-            "max_window_layers": 2, "use_sliding_window": False, "sliding_window": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-            "bos_token_id": 505, "eos_token_id": 506, "pad_token_id": 507,
-        },
-        vision_config={
-            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "in_channels": 3,
-            "out_hidden_size": 64, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
-            "window_size": 56, "fullatt_block_indexes": [1], "tokens_per_second": 2,
-        },
-        image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503,
-        dtype=dtype,
-    )
 
 
 def build_vlm(config, dtype: torch.dtype = torch.bfloat16,
@@ -90,7 +68,7 @@ def parse_image_size(text: str) -> tuple[int, int]:
     """``"504x504"`` -> (width, height) in pixels."""
     m = _IMAGE_RE.match(text)
     if not m or int(m.group(1)) <= 0 or int(m.group(2)) <= 0:
-        raise ValueError(f"image size {text!r} is not WIDTHxHEIGHT in pixels (e.g. 504x504)")
+        raise ShapeError(f"image size {text!r} is not WIDTHxHEIGHT in pixels (e.g. 504x504)")
     return int(m.group(1)), int(m.group(2))
 
 
@@ -127,7 +105,7 @@ def image_grid(vision_config, image: tuple[int, int]) -> ImageGrid:
     unit = patch * merge
     if width <= 0 or height <= 0 or width % unit or height % unit:
         near = f"{max(unit, round(width / unit) * unit)}x{max(unit, round(height / unit) * unit)}"
-        raise ValueError(f"image size {width}x{height} is not a multiple of {unit} pixels (patch {patch} x "
+        raise ShapeError(f"image size {width}x{height} is not a multiple of {unit} pixels (patch {patch} x "
                          f"spatial merge {merge}) on both sides; the processor resizes to such a size, "
                          f"e.g. {near}")
     temporal = int(vision_config.temporal_patch_size)
@@ -177,7 +155,7 @@ def mrope_position_ids(config, grid: ImageGrid, seq: int, image_start: int) -> t
     tokens = grid.tokens
     end = image_start + tokens
     if image_start < 0 or end > seq:
-        raise ValueError(f"the image's {tokens} tokens at {image_start}..{end - 1} do not fit in a prompt of "
+        raise ShapeError(f"the image's {tokens} tokens at {image_start}..{end - 1} do not fit in a prompt of "
                          f"{seq} tokens (use --seq of at least {end})")
     llm_h, llm_w = grid.h // grid.merge, grid.w // grid.merge
     pos = torch.empty(3, seq, dtype=torch.long)
@@ -310,7 +288,7 @@ def _text_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mo
     dtype = next(model.parameters()).dtype
     _, delta = mrope_position_ids(config, grid, seq, image_start)
     if phase == "prefill" and seq > ctx:
-        raise ValueError(f"a prompt of {seq} tokens does not fit in a context of {ctx}")
+        raise ShapeError(f"a prompt of {seq} tokens does not fit in a context of {ctx}")
     if state is None:
         state = new_kv_cache(config.text_config, batch, ctx, dtype, device)
     if inputs is None:
@@ -359,7 +337,7 @@ def vlm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mode
     ``meta``); ``ctx`` is the cache length per slot.
     """
     if phase not in PHASES:
-        raise ValueError(f"phase {phase!r} is not a phase of a vision-language model "
+        raise PhaseError(f"phase {phase!r} is not a phase of a vision-language model "
                          f"(use {', '.join(PHASES)})")
     if phase == "encode":
         return encode_step(model, constant_values, model_name=model_name, batch=batch, image=image,
