@@ -4,8 +4,8 @@ The image size is part of the step, like the sequence length: the vision grid (p
 rotary position of every patch, the attention windows, the order tokens are permuted into for
 windowed attention) is computed on the host before the step and handed to it as constants. The
 vision tower therefore runs here with host-known shapes: every block attends with one
-scaled-dot-product-attention kernel, made block-diagonal by a boolean mask that is built once per
-step from per-patch window (or image) ids. The text decoder is Hugging Face's, routed through
+`tessera::segment_attention` kernel over the host-known window (or image) lengths, counted for the
+within-segment pairs only. The text decoder is Hugging Face's, routed through
 Tessera's attention kernels; its multimodal rotary positions (``position_ids`` [3,B,S]) are inputs
 computed on the host for the known prompt layout (`mrope_position_ids`).
 """
@@ -18,7 +18,6 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,10 +27,7 @@ from tessera.capture.step import Step
 from tessera.capture.steps.llm import kv_of, new_kv_cache
 from tessera.errors import PhaseError, ShapeError
 
-if TYPE_CHECKING:
-    pass
-
-PHASES = ("encode", "prefill", "decode")
+VLM_PHASES = ("encode", "prefill", "decode")
 ATTN_IMPLEMENTATION = {"": "sdpa", "text_config": "tessera", "vision_config": "sdpa"}
 """Text decoder through Tessera's cache-aware kernels; the vision tower (and HF's own vision forward,
 used as a reference) through SDPA."""
@@ -336,9 +332,9 @@ def vlm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mode
     ``seq`` is the prompt length of the prefill the decode follows (it fixes the rope delta in
     ``meta``); ``ctx`` is the cache length per slot.
     """
-    if phase not in PHASES:
+    if phase not in VLM_PHASES:
         raise PhaseError(f"phase {phase!r} is not a phase of a vision-language model "
-                         f"(use {', '.join(PHASES)})")
+                         f"(use {', '.join(VLM_PHASES)})")
     if phase == "encode":
         return encode_step(model, constant_values, model_name=model_name, batch=batch, image=image,
                            device=device, inputs=inputs)
