@@ -8,6 +8,8 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton kernels run on the CPU through Triton's interpreter, which must be chosen before triton is imported.
+os.environ["TRITON_INTERPRET"] = "1"
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

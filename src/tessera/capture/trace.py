@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tessera.capture.opaque import binding_for, kernel_accesses, reconcile
 from tessera.capture.step import Step, qualified
 from tessera.errors import TesseraError
 from tessera.graph.codec import dtype_name, encode
@@ -134,6 +135,7 @@ class _Recorder(TorchDispatchMode):
         self.ordinals: Counter[tuple[str, str]] = Counter()
         self.executing = False
         self.memo: dict | None = None  # set for meta traces, see _run
+        self.warnings: list[str] = []
         self.module_names: dict[int, str] = {}
         for root, mod in step.modules.items():
             for name, sub in mod.named_modules():
@@ -280,9 +282,22 @@ class _Recorder(TorchDispatchMode):
                     read.extend(tensors)  # in-place ops read what they overwrite
             else:
                 read.extend(tensors)
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
         scope = self.scope
         op = str(func)
+        indirect = False
+        binding = binding_for(func)
+        if binding is not None:  # a kernel-backed op: its PTX, not its schema, says what it touches
+            try:
+                ptx = kernel_accesses(binding, args, kwargs, out)
+            except TesseraError as e:
+                raise TraceError(f"{op} in module '{scope}': {e}") from e
+            inputs = _tensors((args, kwargs))
+            self.warnings.extend(reconcile(binding.op, written, ptx, inputs))
+            known = {_storage_key(t) for t in inputs}
+            read = [t for t in ptx.reads if _storage_key(t) in known]
+            written = [t for t in ptx.writes if _storage_key(t) in known]
+            indirect = ptx.indirect
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
         ordinal = self.ordinals[(scope, op)]
         input_keys = {_storage_key(t) for t in read + written}
         out_refs: list[Any] = []
@@ -329,7 +344,8 @@ class _Recorder(TorchDispatchMode):
             index=index, op=op, scope=scope, ordinal=ordinal, layer=layer_of(scope), op_class=op_class(op),
             args=enc_args, kwargs=enc_kwargs, outputs=out_refs,
             shapes=[list(t.shape) for t in tensor_args], dtypes=[dtype_name(t.dtype) for t in tensor_args],
-            flops=flops_of(func, args, kwargs, out), bytes_read=bytes_read, bytes_written=bytes_written))
+            flops=flops_of(func, args, kwargs, out), bytes_read=bytes_read, bytes_written=bytes_written,
+            indirect=indirect))
 
     # -- module scopes ------------------------------------------------------------------------------
     def _pre_hook(self, module, _args):
@@ -369,6 +385,8 @@ def trace(step: Step) -> KernelGraph:
     edges = compute_edges(rec.accesses)
     meta = dict(step.meta) | {"family": step.family, "device": rec.step_device,
                               "trace_seconds": round(time.perf_counter() - t0, 4)}
+    if rec.warnings:
+        meta["warnings"] = rec.warnings
     return KernelGraph(model=step.model, phase=step.phase, meta=meta, kernels=rec.kernels, buffers=rec.buffers,
                        accesses=rec.accesses, edges=edges, inputs=list(step.inputs), state=list(step.state),
                        outputs=out_refs)

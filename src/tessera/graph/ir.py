@@ -78,6 +78,7 @@ class Kernel:
     flops: int
     bytes_read: int
     bytes_written: int
+    indirect: bool = False  # its PTX derives addresses from loaded values: keep it with its neighbours
 
     @property
     def id(self) -> str:
