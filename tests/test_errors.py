@@ -105,3 +105,8 @@ def test_graph_file_errors(tmp_path):
         KernelGraph.load(p)
     with pytest.raises(GraphFormatError, match="cannot read"):
         KernelGraph.load(tmp_path / "missing.json")
+
+
+def test_full_size_model_on_cpu_is_refused_with_advice():
+    r = _cli("trace", "llama-3.1-8b", "--phase", "decode", "--device", "cpu")
+    assert r.exit_code == 2 and "meta" in r.output and "8,030,261,248" in r.output

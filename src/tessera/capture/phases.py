@@ -24,6 +24,7 @@ DEFAULT_SEQ = 512
 DEFAULT_CTX = 2048
 DEFAULT_IMAGE = (504, 504)
 DEFAULT_RESOLUTION = (1024, 1024)
+MAX_HOST_BUILD_BYTES = 4 * 2**30  # random-init builds on a real device beyond this are refused
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,9 @@ def make_step(model: str, phase: str, *, batch: int | None = None, seq: int | No
     check_phase(spec, phase)
     config = load_config(spec)
     shape = resolve_shape(spec, config, phase, batch, seq, ctx, image, resolution)
+    if device != "meta" and spec.params and spec.params * 2 > MAX_HOST_BUILD_BYTES:
+        raise ShapeError(f"{spec.name} has {spec.params:,} parameters ({spec.params * 2 / 2**30:.1f} GiB in "
+                         f"bf16): too large to build with random weights on {device}; trace it on meta")
     modules, values = build_modules(spec, device, config=None if spec.family == "diffusion" else config)
     return step_for(spec, modules, values, phase, shape, device)
 
