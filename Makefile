@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # git keeps no empty folder, so lint only those that exist in this checkout
-LINT_PATHS := $(wildcard src tests benchmarks)
+LINT_PATHS := $(wildcard src tests benchmarks tools)
 
 .PHONY: demo test lint
 
