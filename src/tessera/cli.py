@@ -18,6 +18,15 @@ out = Console()
 err = Console(stderr=True)
 
 
+def _mount_subcommands() -> None:
+    from tessera.capture.ptx.cli import ptx_app
+
+    app.add_typer(ptx_app, name="ptx", help="Analyse and instrument PTX of opaque kernels.")
+
+
+_mount_subcommands()
+
+
 def _fail(e: Exception) -> None:
     err.print(f"[bold red]error:[/] {e}", highlight=False)
     raise typer.Exit(2)

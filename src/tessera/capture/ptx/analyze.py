@@ -28,16 +28,22 @@ Attribution, at each global or generic access site, of the address origins:
 
 - the *base* candidates are the non-index origins (flag != 2); if some are definite addresses
   (flag 1) only those are kept (the others are offsets added to a known pointer); if only index-like
-  origins are left they are all kept;
-- a ``P`` base gives the parameter (or the struct field at that offset) the site's access;
-- an ``L`` or ``U`` base means the address itself was loaded from memory (or is unknown): the
-  parameter the pointer was loaded from, and the kernel, are marked `indirect`, and since the loaded
-  pointer may point into any argument, EVERY pointer-capable parameter gets the site's access
-  (read for a load, write for a store, read-write for atomics), with the reason "... through an
-  address loaded from memory (may alias any argument)". The access is the site's own mode, not
-  read-write: a load through an unknown pointer cannot write.
-- an ``L`` that is only part of the index (a gather `x[idx[i]]`) marks the parameter the index was
-  loaded from, and the kernel, `indirect`; the base still gets the access exactly.
+  origins are left they are all kept. Ambiguous sums (two plain 64-bit values added) charge both;
+- a ``P`` base gives the parameter (or the struct field at that offset) the site's access: `ld`,
+  `ldu`, `cp.async` and bulk-copy sources, `multimem.ld_reduce`, `tex`/`suld` read; `st`, bulk-copy
+  destinations, `multimem.st`, `sust`, `discard`, `tensormap.replace` write; `atom`, `red`,
+  `cp.reduce.*`, `multimem.red`, `sured` and unrecognised instructions read-write; prefetches none;
+- INDIRECT RULE. An ``L`` base means the address itself was loaded from memory (a table of
+  pointers, a linked list). That access belongs to no parameter (the buffers it reaches are not
+  arguments): the parameter the pointer was loaded from is marked `indirect` (its own access is the
+  load of the pointer: `read`), its `indirect_access` records what was done through the loaded
+  pointers, and the kernel is `indirect` with `KernelAccess.indirect_access` the union of all such
+  accesses. A consumer must treat an indirect kernel as touching memory beyond its arguments. With
+  `analyze_module(..., alias_loaded=True)` these accesses are also given to every parameter that
+  may hold a pointer ("may alias any argument"). ``U`` bases (unknown address: returned by unknown
+  code, or of no traceable origin) are handled the same way, without a parameter to mark;
+- an ``L`` that is only part of the index (a gather `x[idx[i]]`, a histogram `h[keys[i]]`) marks the
+  parameter the index was loaded from, and the kernel, `indirect`; the base gets the access exactly;
 - accesses whose address is only shared/local/param memory or module globals are not arguments and
   are not reported.
 
@@ -140,6 +146,7 @@ class AccessSite:
 # --------------------------------------------------------------------------------------------------
 # origins
 
+_OPAQUE = ("texref", "samplerref", "surfref")
 _U = ("U", None, None, 0)
 _LNONE = ("L", None, None, 0)
 _G = ("G", None, None, 1)
@@ -164,8 +171,8 @@ _FAST_CLASS.update({op: 1 for op in ("mov", "add", "sub", "and", "or", "xor", "n
                                      "max", "shr", "div", "rem", "fma", "rcp", "sqrt", "rsqrt", "ex2", "lg2",
                                      "sin", "cos", "tanh", "copysign", "bfe", "bfi", "prmt", "popc", "clz",
                                      "brev", "bfind", "shf", "addc", "subc", "cnot", "lop3", "fns",
-                                     "shfl", "redux", "cvt")})
-_FAST_CLASS.update({op: 2 for op in ("mul", "mul24", "shl", "dp4a", "dp2a")})
+                                     "shfl", "redux")})
+_FAST_CLASS.update({op: 2 for op in ("mul", "mul24", "shl", "dp4a", "dp2a", "cvt")})  # cvt: 2 only if widening
 _FAST_CLASS.update({"cvta": 3, "selp": 4, "slct": 4, "mad": 5, "mad24": 5})
 _SPECIAL_REGS = {"%laneid", "%warpid", "%nwarpid", "%smid", "%nsmid", "%gridid", "%clock", "%clock64",
                   "%globaltimer", "%lanemask_eq", "%lanemask_le", "%lanemask_lt", "%lanemask_ge",
@@ -372,6 +379,9 @@ class _FnAnalysis:
         self.op_cache: dict = {}
         self.rdefs: dict = {}              # key -> indices of its defining integer instructions
         self.spec_cache: dict = {}
+        self.collapsed: set = set()
+        self.addr_cache: dict = {}         # instruction index -> (keys, consts) of its load address
+        self.seeds: list[int] = []
         # '%' names that something declares in the function scope (rare): resolved the slow way
         self.local_regs = {name for (name, sid) in fn.decls if sid == 0 and name[:1] == "%"}
         self.has_ac = False                # some A (parameter address) or C (local address) origin exists
@@ -386,6 +396,8 @@ class _FnAnalysis:
         r = self.resolve_cache.get(ck)
         if r is not None:
             return r
+        if not name:
+            return ("reg", "")
         fn = self.fn
         r = None
         if name[0] == "%" and sid == 0 and (name, 0) not in fn.decls:
@@ -514,19 +526,8 @@ class _FnAnalysis:
     # ------------------------------------------------------------------ building
     def build(self) -> None:
         fn = self.fn
-        # param-cell offsets written by st.param (call sequences) are needed by the calls
-        for ins in fn.body:
-            if ins.opcode == "st" and ins.modifiers and ins.modifiers[0].startswith("param") and ins.operands:
-                base, off = _addr_parts(ins.operands[0])
-                if base is None:
-                    continue
-                r = self._resolve(base, ins.scope)
-                if r[0] in ("cell", "fret"):
-                    key = r[1] if r[0] == "cell" else ("ret", r[1])
-                    vec, size = _type_info(ins.modifiers)
-                    offs = self.cell_offsets.setdefault(key, set())
-                    for k in range(vec):
-                        offs.add(off + k * size)
+        # (the offsets of call-sequence .param cells are recorded by _classify_store as the st.param
+        # that fill them are met, which is always before the call that reads them)
         # fast path for the bulk of PTX: integer/float ALU instructions with plain operands in the
         # function scope; everything else goes through _classify
         opc = self.op_cache
@@ -549,7 +550,7 @@ class _FnAnalysis:
                 continue                      # no provenance, no memory access
             ops = ins.operands
             text = ins.text
-            if not ops or ins.scope or "[" in text or "{" in text or "|" in text:
+            if not ops or ins.scope or "{" in text or "|" in text:
                 self._classify(idx, ins)
                 continue
             mods = ins.modifiers
@@ -613,6 +614,8 @@ class _FnAnalysis:
             if adjk == 1 and "hi" in mods:
                 adjk = 2
             ti = len(transfers)
+            if consts or sconsts:
+                self.seeds.append(ti)
             transfers.append((_T_UNION, [dst], plain, frozenset(consts) if consts else _EMPTY, scaled, sconsts,
                               strong, adjk, idx))
             for k in keys:
@@ -635,6 +638,8 @@ class _FnAnalysis:
             else:
                 self.top_keys.add(k)
         ti = len(self.transfers)
+        if kind != _T_UNION or t[3] or t[5]:
+            self.seeds.append(ti)
         self.transfers.append(t)
         for k in srcs:
             u = self.users.get(k)
@@ -743,7 +748,11 @@ class _FnAnalysis:
             dsts = [[d0]]
         else:
             dsts = [self._dst_keys(e, sid) for e in _elems(d0)]
-        base, off = _addr_parts(ops[1])
+        a = ops[1]
+        if a[1:2] == "%" and "+" not in a and "," not in a and "-" not in a:
+            base, off = a[1:-1], 0                  # the common `[%rd5]`
+        else:
+            base, off = _addr_parts(a)
         if space == "param" and base is not None:
             r = self._resolve(base, sid)
             if r[0] == "fparam":
@@ -762,20 +771,36 @@ class _FnAnalysis:
                         self._add_transfer((_T_UNION, d, tuple(cells), _EMPTY, (), _EMPTY, False, 0, -1), cells)
                 return
         keys: list = []
-        cs: set = set()
-        if base is not None:
+        if base is None:
+            consts = _EMPTY
+        elif sid == 0 and base[0] == "%" and base not in self.local_regs:
+            keys.append(base)
+            consts = _EMPTY
+        else:
+            cs: set = set()
             self._src(base, sid, keys, cs)
-        consts = frozenset(cs)
+            consts = frozenset(cs)
         if space == "global" or space == "generic":
             srcs = keys + ["$local", "$shared"]
             self.mem.append((idx, "ld", 1))
+            self.addr_cache[idx] = (keys, consts)
         elif space == "local":
             srcs = keys + ["$local"]
         elif space == "shared":
             srcs = keys + ["$shared"]
         else:
             srcs = keys
-        self._add_transfer((_T_LOAD, dsts, space, tuple(keys), consts, off, size), srcs)
+        # inline _add_transfer: loads define no integer range
+        for d in dsts:
+            for k in d:
+                self.defined.add(k)
+                self.top_keys.add(k)
+        ti = len(self.transfers)
+        self.seeds.append(ti)
+        self.transfers.append((_T_LOAD, dsts, space, tuple(keys), consts, off, size))
+        users = self.users
+        for k in srcs:
+            users[k].append(ti)
 
     def _classify_store(self, idx: int, ins) -> None:
         ops = ins.operands
@@ -801,7 +826,9 @@ class _FnAnalysis:
             r = self._resolve(base, sid)
             if r[0] in ("cell", "fret"):
                 key = r[1] if r[0] == "cell" else ("ret", r[1])
+                offs = self.cell_offsets.setdefault(key, set())
                 for k, (ks, cs) in enumerate(vals):
+                    offs.add(off + k * size)
                     cell = ("c", key, off + k * size)
                     self._add_transfer((_T_UNION, [cell], ks, cs, (), _EMPTY, False, 0, -1), list(ks))
             return
@@ -959,26 +986,32 @@ class _FnAnalysis:
         s = self.prov.get(key)
         return s if s is not None else _EMPTY
 
-    def _add(self, key, origins) -> bool:
+    def _add(self, key, origins, owned: bool = False) -> bool:
+        """Join `origins` into the set of `key`; True if it grew. A set that grows past _COLLAPSE_AT
+        forgets byte offsets for good (so pointer increments in loops cannot grow it forever)."""
         if not origins:
             return False
-        s = self.prov.get(key)
+        prov = self.prov
+        s = prov.get(key)
         if s is None:
-            s = set(origins)
-            if len(s) > _COLLAPSE_AT:
-                s = _collapse(s)
-            self.prov[key] = s
+            if len(origins) > _COLLAPSE_AT:
+                origins = _collapse(origins)
+                self.collapsed.add(key)
+            elif not owned:
+                origins = set(origins)
+            prov[key] = origins
             return True
+        if key in self.collapsed:
+            origins = _collapse(origins)
         n = len(s)
         s |= origins
         if len(s) == n:
             return False
-        if len(s) > _COLLAPSE_AT:
+        if len(s) > _COLLAPSE_AT and key not in self.collapsed:
             c = _collapse(s)
             s.clear()
             s |= c
-            # a collapse may shrink the set while still adding information; it is monotone in the
-            # lattice of "offset-free" origins, so reporting a change is always safe
+            self.collapsed.add(key)
         return True
 
     # ------------------------------------------------------------------ local memory
@@ -1070,6 +1103,9 @@ class _FnAnalysis:
         self.rmemo[k] = res
         return res
 
+    def _psize_of(self, i) -> int:
+        return self.psize[i] if i is not None and 0 <= i < len(self.psize) else 0
+
     def _specs(self, idx: int) -> list:
         """Operand specs of the sources of instruction `idx` (computed on demand, cached)."""
         r = self.spec_cache.get(idx)
@@ -1112,7 +1148,7 @@ class _FnAnalysis:
                 elif op == "sub":
                     res = (a - d, b - c)
                 elif op == "shl":
-                    res = (a << c, b << d) if a >= 0 and 0 <= c and d < 40 else None
+                    res = (a << c, b << d) if a >= 0 and c >= 0 and d < 40 else None
                 elif op == "shr":
                     res = (a >> d, b >> c) if a >= 0 and c >= 0 else None
                 elif op in ("mul", "mad"):
@@ -1167,7 +1203,8 @@ class _FnAnalysis:
             for o in origs:
                 k = o[0]
                 if k == "A":
-                    if delta is not None and delta[0] == delta[1] and o[2] is not None:
+                    if delta is not None and delta[0] == delta[1] and o[2] is not None \
+                            and 0 <= o[2] + delta[0] < self._psize_of(o[1]):
                         out.add(("A", o[1], o[2] + delta[0], o[3]))
                     else:
                         out.add(("A", o[1], None, o[3]))
@@ -1184,13 +1221,14 @@ class _FnAnalysis:
         changed = []
         if kind == _T_UNION:
             _, dsts, plain, consts, scaled, sconsts, strong, adjk, idx = t
+            prov = self.prov
             res = set(consts)
             for k in plain:
-                s = self.prov.get(k)
+                s = prov.get(k)
                 if s:
                     res |= s
             for k in scaled:
-                s = self.prov.get(k)
+                s = prov.get(k)
                 if s:
                     res |= _with_flag(s, 2)
             if sconsts:
@@ -1200,9 +1238,13 @@ class _FnAnalysis:
                     res = _with_flag(res, 1)
                 if adjk and self.has_ac:
                     res = self._offsets(res, adjk, idx)
-                for d in dsts:
-                    if self._add(d, res):
-                        changed.append(d)
+                if len(dsts) == 1:
+                    if self._add(dsts[0], res, True):
+                        changed.append(dsts[0])
+                else:
+                    for d in dsts:
+                        if self._add(d, res):
+                            changed.append(d)
             return changed
         if kind == _T_LOAD:
             _, dsts, space, keys, consts, off, size = t
@@ -1218,9 +1260,8 @@ class _FnAnalysis:
                 return changed
             if space == "local":
                 addr = {o for o in addr if o[0] == "C"} or {_C}
-            elif space == "const":
-                if not any(o[0] == "A" for o in addr):
-                    addr = {_G}
+            elif space == "const" and not any(o[0] == "A" for o in addr):
+                addr = {_G}
             for j, d in enumerate(dsts):
                 if not d:
                     continue
@@ -1258,9 +1299,8 @@ class _FnAnalysis:
                 cell = {(a, b, o) for a, b in spans for o in val}
                 if self._add("$local", cell):
                     changed.append("$local")
-            if "S" in kinds or unknown:
-                if self._add("$shared", val):
-                    changed.append("$shared")
+            if ("S" in kinds or unknown) and self._add("$shared", val):
+                changed.append("$shared")
             return changed
         if kind == _T_CPASYNC:
             _, keys, consts = t
@@ -1392,9 +1432,8 @@ class _FnAnalysis:
         users = self.users
         n = len(ts)
         dirty = bytearray(n)
-        for ti, t in enumerate(ts):
-            if t[0] != _T_UNION or t[3] or t[5]:
-                dirty[ti] = 1
+        for ti in self.seeds:
+            dirty[ti] = 1
         steps = 0
         limit = 100 * (n + 10)
         pos = dirty.find(1)
@@ -1417,8 +1456,9 @@ class _FnAnalysis:
             s |= self._get(k)
         return s
 
-    def _opname(self, ins) -> str:
-        return ".".join([ins.opcode, *ins.modifiers])
+    @staticmethod
+    def _opname(ins) -> str:
+        return ins.name or ".".join([ins.opcode, *ins.modifiers])
 
     def collect(self, with_sites: bool = False) -> _Summary:
         fn = self.fn
@@ -1449,7 +1489,7 @@ class _FnAnalysis:
                         continue            # provably shared/local/param memory
                 if not origins and role != "escape":
                     origins = {_U}
-                if mode or role in ("tmap", "tex"):
+                if mode or role != "escape":
                     effect(mode, origins, role, reason, ins.line)
                 if with_sites and role in ("addr", "tmap") and space is not None:
                     base = _select_base(origins) if role == "addr" else origins
@@ -1541,7 +1581,14 @@ class _FnAnalysis:
         sid = ins.scope
         vec, size = _type_info(mods)
         if what == "ld":
-            yield _R, _site_space(mods), 1, self._addr_origins(ops[1], sid), vec * size, "addr", ""
+            cached = self.addr_cache.get(idx)
+            if cached is not None:
+                addr = set(cached[1])
+                for k in cached[0]:
+                    addr |= self._get(k)
+            else:
+                addr = self._addr_origins(ops[1], sid)
+            yield _R, _site_space(mods), 1, addr, vec * size, "addr", ""
         elif what == "st":
             yield _W, _site_space(mods), 0, self._addr_origins(ops[0], sid), vec * size, "addr", ""
         elif what in ("atom", "red"):
@@ -1587,9 +1634,12 @@ class _FnAnalysis:
                     yield mode, None, oi, self._addr_origins(o, sid), 0, "tex", "texture/surface access"
                     break
         elif what in ("prefetch", "prefetchu", "applypriority"):
-            if "tensormap" in mods:
-                if ops and ops[0].startswith("["):
+            if ops and ops[0].startswith("["):
+                if "tensormap" in mods:
                     yield 0, None, 0, self._addr_origins(ops[0], sid), 0, "tmap", "prefetch of a tensor map"
+                else:
+                    # no data access, but evidence that the address is a pointer
+                    yield 0, None, 0, self._addr_origins(ops[0], sid), 0, "addr", "prefetch"
         elif what == "discard":
             if ops and ops[0].startswith("["):
                 yield _W, _site_space(mods), 0, self._addr_origins(ops[0], sid), 0, "addr", \
@@ -1703,7 +1753,7 @@ def _unknown_summary(name: str, reason: str) -> _Summary:
 
 class _PState:
     __slots__ = ("mode", "reasons", "indirect", "ind_reason", "ind_mode", "fields", "tmap", "tmap_reason",
-                 "used")
+                 "used", "hint")
 
     def __init__(self) -> None:
         self.mode = 0
@@ -1715,6 +1765,7 @@ class _PState:
         self.tmap = False
         self.tmap_reason = ""
         self.used = False
+        self.hint = ""
 
     def add(self, mode: int, reason: str) -> None:
         self.used = True
@@ -1726,115 +1777,136 @@ class _PState:
         return "; ".join(r for _, r in self.reasons)
 
 
-def _kernel_access(module: Module, fn: Function, summary: _Summary, alias_loaded: bool) -> KernelAccess:
-    params = fn.params
-    st = [_PState() for _ in params]
-    alias: list[tuple[int, str]] = []       # accesses through addresses that no parameter explains
-    is_agg = [p.array is not None and p.type not in ("texref", "samplerref", "surfref") for p in params]
+class _Attribution:
+    """Turns an entry's effects into per-parameter accesses (see the module docstring's rules)."""
 
-    def target(i: int, off):
-        if i is None or i >= len(params):
+    def __init__(self, module: Module, fn: Function, summary: _Summary) -> None:
+        self.module = module
+        self.fn = fn
+        self.summary = summary
+        self.params = fn.params
+        self.st = [_PState() for _ in fn.params]
+        self.alias: list[tuple[int, str]] = []     # accesses through addresses that no parameter explains
+        self.is_agg = [p.array is not None and p.type not in _OPAQUE for p in fn.params]
+
+    def target(self, i, off) -> list[_PState]:
+        """The state(s) an origin (parameter i, byte offset off) stands for: the parameter, or fields."""
+        if i is None or i >= len(self.params):
             return []
-        if not is_agg[i]:
-            return [st[i]]
+        s = self.st[i]
+        if not self.is_agg[i]:
+            return [s]
         if off is None:
-            size = params[i].size
-            return [st[i].fields.setdefault(o, _PState()) for o in range(0, max(size - 7, 1), 8)]
+            return [s.fields.setdefault(o, _PState()) for o in range(0, max(self.params[i].size - 7, 1), 8)]
         # a narrower piece belongs to the 8-byte slot holding it (pointers are 8-byte aligned)
-        return [st[i].fields.setdefault(off - off % 8, _PState())]
+        return [s.fields.setdefault(off - off % 8, _PState())]
 
-    def mark_ind(i, off, mode: int, reason: str) -> None:
-        if i is None or i >= len(params):
+    def mark_ind(self, i, off, mode: int, reason: str) -> None:
+        """Parameter i's memory supplied an address (mode: what was done through it; 0 for an index)."""
+        if i is None or i >= len(self.params):
             return
-        for s in [st[i], *([] if not is_agg[i] else target(i, off))]:
+        for s in [self.st[i], *(self.target(i, off) if self.is_agg[i] else [])]:
             s.ind_mode |= mode
             if not s.indirect:
                 s.indirect = True
                 s.ind_reason = reason
 
-    for e in summary.effects:
-        if e.role == "addr":
-            base = _select_base(e.origins)
-            for o in base:
-                k = o[0]
-                if k == "P":
-                    for s in target(o[1], o[2]):
-                        s.add(e.mode, e.reason)
-                elif k == "L":
-                    mark_ind(o[1], o[2], e.mode, f"pointers loaded from it are dereferenced ({e.reason})")
-                    alias.append((e.mode, f"{e.reason} through an address loaded from memory"))
-                elif k == "U":
-                    alias.append((e.mode, f"{e.reason} through an address of unknown origin"))
-            for o in e.origins:
-                if o[0] == "L" and o not in base and o[1] is not None:
-                    mark_ind(o[1], o[2], 0, f"values loaded from it index {e.reason}")
-        elif e.role in ("tmap", "tex"):
-            for o in e.origins:
-                k = o[0]
-                i = o[1]
-                if k in ("A", "P") and i is not None and i < len(params):
-                    s = st[i]
-                    s.tmap = True
-                    s.tmap_reason = s.tmap_reason or e.reason
-                    s.used = True
-                    if e.mode:
-                        s.add(e.mode, e.reason)
-                    if k == "P" and not is_agg[i] and e.role == "tmap":
-                        # a pointer to a tensor map in memory: the map is read from the parameter's memory,
-                        # and the tensor it describes is chosen by memory contents
-                        s.add(_R, f"{e.reason} (tensor map read from memory)")
-                        mark_ind(i, None, e.mode, f"tensor map loaded from it ({e.reason})")
-                        if e.mode:
-                            alias.append((e.mode, f"{e.reason} through a tensor map in memory"))
-                elif k in ("L", "U", "G"):
-                    if k == "L":
-                        mark_ind(i, o[2], e.mode, f"tensor map address loaded from it ({e.reason})")
-                    if e.mode or k != "L":
-                        alias.append((e.mode, f"{e.reason} through a descriptor that is not an argument"))
-        else:  # escape to code that cannot be analysed
-            for o in e.origins:
-                k = o[0]
-                i = o[1]
-                if k in ("P", "A") and i is not None and i < len(params):
-                    if k == "P" and not is_agg[i] and params[i].size < 8 and (module.address_size or 64) == 64:
-                        continue            # a 32-bit value cannot be a pointer
-                    for s in target(i, o[2] if k == "P" else None):
-                        s.add(e.mode, e.reason)
-                elif k == "L":
-                    mark_ind(i, o[2], e.mode, f"pointers loaded from it are {e.reason}")
-                    alias.append((e.mode, f"pointer loaded from memory {e.reason}"))
-                elif k == "U":
-                    alias.append((e.mode, f"pointer of unknown origin {e.reason}"))
-
-    triton_style = any(p.ptr for p in params)
-    loaded = summary.loaded_params
-    out: list[ParamAccess] = []
-    for i, p in enumerate(params):
-        s = st[i]
-        fields = []
-        if p.type in ("texref", "samplerref", "surfref") or s.tmap:
-            kind = "descriptor"
-        elif is_agg[i]:
-            if s.fields:
-                kind = "struct"
-            elif p.size == 128 and (p.align or 0) >= 64 and not s.used:
-                kind = "descriptor"
+    def run(self) -> None:
+        for e in self.summary.effects:
+            if e.role == "addr":
+                self._address(e)
+            elif e.role in ("tmap", "tex"):
+                self._descriptor(e)
             else:
-                kind = "scalar"
-        elif s.mode or s.indirect or p.ptr:
-            kind = "pointer"
-        elif p.size == 8 and i not in loaded and not triton_style:
-            kind = "pointer"        # never read: an 8-byte parameter of unknown type
-        else:
-            kind = "scalar"
-        if alias_loaded and alias and (kind != "scalar" or (is_agg[i] and p.size >= 8)
-                                       or (p.size == 8 and not triton_style)):
+                self._escape(e)
+
+    def _address(self, e: _Effect) -> None:
+        base = _select_base(e.origins)
+        for o in base:
+            k = o[0]
+            if k == "P":
+                for s in self.target(o[1], o[2]):
+                    s.add(e.mode, e.reason)
+                    if not e.mode and not s.hint:
+                        s.hint = f"{e.reason} (no data access)"
+            elif not e.mode:
+                continue                    # a prefetch through a loaded or unknown address
+            elif k == "L":
+                self.mark_ind(o[1], o[2], e.mode, f"pointers loaded from it are dereferenced ({e.reason})")
+                self.alias.append((e.mode, f"{e.reason} through an address loaded from memory"))
+            elif k == "U":
+                self.alias.append((e.mode, f"{e.reason} through an address of unknown origin"))
+        for o in e.origins:
+            if o[0] == "L" and o not in base and o[1] is not None:
+                self.mark_ind(o[1], o[2], 0, f"values loaded from it index {e.reason}")
+
+    def _descriptor(self, e: _Effect) -> None:
+        for o in e.origins:
+            k, i = o[0], o[1]
+            if k in ("A", "P") and i is not None and i < len(self.params):
+                s = self.st[i]
+                s.tmap = True
+                s.tmap_reason = s.tmap_reason or e.reason
+                s.used = True
+                if e.mode:
+                    s.add(e.mode, e.reason)
+                if k == "P" and not self.is_agg[i] and e.role == "tmap":
+                    # a pointer to a tensor map in memory: the map is read from the parameter's memory, and
+                    # the tensor it describes is chosen by memory contents
+                    s.add(_R, f"{e.reason} (tensor map read from memory)")
+                    self.mark_ind(i, None, e.mode, f"tensor map loaded from it ({e.reason})")
+                    if e.mode:
+                        self.alias.append((e.mode, f"{e.reason} through a tensor map in memory"))
+            elif k in ("L", "U", "G"):
+                if k == "L":
+                    self.mark_ind(i, o[2], e.mode, f"tensor map address loaded from it ({e.reason})")
+                if e.mode or k != "L":
+                    self.alias.append((e.mode, f"{e.reason} through a descriptor that is not an argument"))
+
+    def _escape(self, e: _Effect) -> None:
+        """Values handed to code that cannot be analysed."""
+        narrow = (self.module.address_size or 64) == 64
+        for o in e.origins:
+            k, i = o[0], o[1]
+            if k in ("P", "A") and i is not None and i < len(self.params):
+                if k == "P" and not self.is_agg[i] and self.params[i].size < 8 and narrow:
+                    continue                # a 32-bit value cannot be a pointer
+                for s in self.target(i, o[2] if k == "P" else None):
+                    s.add(e.mode, e.reason)
+            elif k == "L":
+                self.mark_ind(i, o[2], e.mode, f"pointers loaded from it are {e.reason}")
+                self.alias.append((e.mode, f"pointer loaded from memory {e.reason}"))
+            elif k == "U":
+                self.alias.append((e.mode, f"pointer of unknown origin {e.reason}"))
+
+    def _kind(self, i: int, triton_style: bool) -> str:
+        p, s = self.params[i], self.st[i]
+        if p.type in _OPAQUE or s.tmap:
+            return "descriptor"
+        if self.is_agg[i]:
+            if s.fields:
+                return "struct"
+            if p.size == 128 and (p.align or 0) >= 64 and not s.used:
+                return "descriptor"         # shaped like a CUtensorMap, unused
+            return "scalar"
+        if s.mode or s.indirect or p.ptr or s.used:
+            return "pointer"
+        if p.size == 8 and i not in self.summary.loaded_params and not triton_style:
+            return "pointer"                # never read: an 8-byte parameter of unknown type
+        return "scalar"
+
+    def param(self, i: int, triton_style: bool, alias_loaded: bool) -> ParamAccess:
+        p, s = self.params[i], self.st[i]
+        kind = self._kind(i, triton_style)
+        if alias_loaded and self.alias and (kind != "scalar" or (self.is_agg[i] and p.size >= 8)
+                                            or (p.size == 8 and not triton_style)):
             if kind == "scalar":
-                kind = "struct" if is_agg[i] else "pointer"
-            for mode, reason in alias:
+                kind = "struct" if self.is_agg[i] else "pointer"
+            for mode, reason in self.alias:
                 s.add(mode, f"{reason} (may alias any argument)")
                 for f in s.fields.values():
                     f.add(mode, f"{reason} (may alias any argument)")
+        fields = []
         if kind == "struct":
             for off in sorted(s.fields):
                 f = s.fields[off]
@@ -1845,28 +1917,47 @@ def _kernel_access(module: Module, fn: Function, summary: _Summary, alias_loaded
                 fields.append(FieldAccess(off, ACCESSES[f.mode], f.indirect,
                                           f.reason() or f.ind_reason or "never dereferenced"))
         if kind == "scalar":
-            access, reason = "none", f"scalar .{p.type}" + (f"[{p.array}]" if p.array is not None else "")
-        else:
-            access = ACCESSES[s.mode]
-            reason = s.reason()
-            if not reason:
-                if kind == "descriptor":
-                    reason = s.tmap_reason or "tensor map never used"
-                    if s.tmap_reason and not s.mode:
-                        reason += " (no data access)"
-                elif s.indirect:
-                    reason = s.ind_reason
-                else:
-                    reason = "never dereferenced"
-            elif s.indirect and s.ind_reason not in reason:
-                reason = f"{reason}; {s.ind_reason}"
-        out.append(ParamAccess(i, p.name, kind, access, s.indirect, reason, fields, ACCESSES[s.ind_mode]))
-    kernel_ind = bool(alias) or any(p.indirect for p in out)
+            reason = f"scalar .{p.type}" + (f"[{p.array}]" if p.array is not None else "")
+            return ParamAccess(i, p.name, kind, "none", s.indirect, reason, fields, ACCESSES[s.ind_mode])
+        reason = s.reason()
+        if not reason:
+            if kind == "descriptor":
+                reason = s.tmap_reason or "tensor map never used"
+                if s.tmap_reason and not s.mode:
+                    reason += " (no data access)"
+            else:
+                reason = s.ind_reason if s.indirect else (s.hint or "never dereferenced")
+        elif s.indirect and s.ind_reason not in reason:
+            reason = f"{reason}; {s.ind_reason}"
+        return ParamAccess(i, p.name, kind, ACCESSES[s.mode], s.indirect, reason, fields, ACCESSES[s.ind_mode])
+
+
+def _kernel_access(module: Module, fn: Function, summary: _Summary, alias_loaded: bool) -> KernelAccess:
+    att = _Attribution(module, fn, summary)
+    att.run()
+    triton_style = any(p.ptr for p in fn.params)
+    out = [att.param(i, triton_style, alias_loaded) for i in range(len(fn.params))]
     unexplained = 0
-    for mode, _ in alias:
+    for mode, _ in att.alias:
         unexplained |= mode
-    return KernelAccess(fn.name, module.file, kernel_ind, out, module.target, fn.start_line,
-                        ACCESSES[unexplained], [r for _, r in alias[:8]])
+    return KernelAccess(fn.name, module.file, bool(att.alias) or any(p.indirect for p in out), out, module.target,
+                        fn.start_line, ACCESSES[unexplained], [r for _, r in att.alias[:8]])
+
+
+def _give_up(module: Module, fn: Function, reason: str) -> KernelAccess:
+    """The conservative answer for a kernel that could not be analysed."""
+    params = []
+    for i, p in enumerate(fn.params):
+        if p.type in _OPAQUE:
+            params.append(ParamAccess(i, p.name, "descriptor", "read-write", True, reason))
+        elif p.array is not None and p.size >= 8:
+            params.append(ParamAccess(i, p.name, "struct", "read-write", True, reason,
+                                      [FieldAccess(o, "read-write", True, reason) for o in range(0, p.size - 7, 8)]))
+        elif p.size >= 8 or p.ptr:
+            params.append(ParamAccess(i, p.name, "pointer", "read-write", True, reason))
+        else:
+            params.append(ParamAccess(i, p.name, "scalar", "none", False, f"scalar .{p.type}"))
+    return KernelAccess(fn.name, module.file, True, params, module.target, fn.start_line, "read-write", [reason])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1875,6 +1966,9 @@ def _kernel_access(module: Module, fn: Function, summary: _Summary, alias_loaded
 
 def analyze_module(module: Module, *, alias_loaded: bool = False) -> list[KernelAccess]:
     """Analyse every `.entry` of a parsed module: one `KernelAccess` per kernel, in module order.
+    Should the analysis of a kernel fail (a bug), that kernel gets the conservative answer (every
+    parameter that may hold a pointer read-write, indirect) and the failure is added to
+    `module.errors`.
 
     Accesses through addresses loaded from memory belong to no parameter: they set `indirect` on the
     parameter the pointer was loaded from (and on the kernel) and are summarised in
@@ -1887,7 +1981,14 @@ def analyze_module(module: Module, *, alias_loaded: bool = False) -> list[Kernel
     try:
         for fn in module.functions:
             if fn.is_entry:
-                out.append(_kernel_access(module, fn, ctx.analyze(fn), alias_loaded))
+                try:
+                    out.append(_kernel_access(module, fn, ctx.analyze(fn), alias_loaded))
+                except Exception as e:  # noqa: BLE001 - a bug must not make other kernels, or this one, unsafe
+                    ctx.in_progress.clear()
+                    message = (f"internal error analysing .entry {fn.name} ({type(e).__name__}: {e}); "
+                               f"every parameter that may hold a pointer is reported read-write")
+                    module.errors.append(PtxSyntaxError(module.file, fn.start_line, message))
+                    out.append(_give_up(module, fn, message))
     finally:
         if enabled:
             gc.enable()
@@ -1907,6 +2008,8 @@ def access_sites(module: Module, function: str) -> list[AccessSite]:
 
 def analyze_ptx(text: str, file: str = "<ptx>", *, alias_loaded: bool = False
                 ) -> tuple[list[KernelAccess], list[PtxSyntaxError]]:
-    """Parse and analyse PTX text: the kernels that could be analysed, and the syntax errors found."""
+    """Parse and analyse PTX text: the kernels that could be analysed, and the errors found (syntax
+    errors, and internal errors for which a kernel got the conservative all-read-write answer)."""
     module = parse_ptx(text, file)
-    return analyze_module(module, alias_loaded=alias_loaded), list(module.errors)
+    kernels = analyze_module(module, alias_loaded=alias_loaded)
+    return kernels, list(module.errors)

@@ -177,6 +177,9 @@ def _split_top(s: str) -> list[str]:
     return [t.strip() for t in _TOP_RE.findall(s) if t.strip()] or [""]
 
 
+_OPINFO: dict[str, tuple[str, tuple[str, ...]] | bool] = {}     # dotted opcode -> (opcode, modifiers)
+
+
 def _opcode_info(head: str) -> tuple[str, tuple[str, ...]] | bool:
     """(opcode, modifiers) of a dotted opcode such as `ld.global.nc.v4.f32`, or False if it is not one."""
     if not _OPCODE_RE.fullmatch(head):
@@ -337,7 +340,7 @@ class _Parser:
         self.in_block = False
         self.append = None              # body.append while plain instructions can go straight in
         self.scope = 0
-        self.opinfo: dict = {}
+        self.opinfo = _OPINFO if len(_OPINFO) < 65536 else {}
 
     # ------------------------------------------------------------------ driver
     def run(self) -> Module:
@@ -356,8 +359,9 @@ class _Parser:
         label_only = _LABEL_ONLY_RE.fullmatch
         fast = _FAST_RE.fullmatch
         append, scope = self.append, self.scope
+        in_section = self.state == "section"
         for lineno, raw in enumerate(lines, first):
-            if self.state == "section":
+            if in_section:
                 # debug sections (`.section .debug_info { .b8 ... }`): only their braces matter
                 if "{" in raw:
                     self.section_open = True
@@ -366,6 +370,7 @@ class _Parser:
                     self.section_depth -= raw.count("}")
                 if self.section_open and self.section_depth <= 0:
                     self.state = "module"
+                    in_section = False
                 continue
             if in_block:
                 s, in_block = _strip_comments(raw, True)
@@ -393,7 +398,7 @@ class _Parser:
                     continue
                 # one whole instruction on the line (with vector operands: not taken by the regex)
                 elif append is not None and s[-1] == ";" and c0 != "." and c0 != "{" and c0 != "}" \
-                        and s.find(";") == len(s) - 1:
+                        and s.find(";") == len(s) - 1 and c0 != ";":
                     body = s[:-1]
                     parts = body.split(None, 1)
                     head = parts[0]
@@ -424,6 +429,7 @@ class _Parser:
                 continue
             self._line(s, lineno)
             append, scope = self._fast_target()
+            in_section = self.state == "section"
         self.in_block = in_block
         self.append, self.scope = self._fast_target()
 
