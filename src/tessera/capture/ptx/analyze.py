@@ -261,8 +261,21 @@ def _type_info(mods: list[str]) -> tuple[int, int]:
     return vec, size
 
 
+_ADDR_PARTS: dict[str, tuple[str | None, int]] = {}
+
+
 def _addr_parts(op: str) -> tuple[str | None, int]:
-    """`[%rd4+16]` -> ('%rd4', 16); `[sym]` -> ('sym', 0); `[%rd1, {%r3, %r4}]` -> ('%rd1', 0)."""
+    """`[%rd4+16]` -> ('%rd4', 16); `[sym]` -> ('sym', 0); `[%rd1, {%r3, %r4}]` -> ('%rd1', 0).
+    Cached per operand string (a pure function of it)."""
+    r = _ADDR_PARTS.get(op)
+    if r is None:
+        r = _addr_parts_uncached(op)
+        if len(_ADDR_PARTS) < 65536:
+            _ADDR_PARTS[op] = r
+    return r
+
+
+def _addr_parts_uncached(op: str) -> tuple[str | None, int]:
     inner = op[1:-1]
     if "," in inner:
         inner = inner.split(",", 1)[0]
@@ -544,7 +557,10 @@ class _FnAnalysis:
             op = ins.opcode
             cls = fast_class.get(op)
             if cls is None:
-                self._classify(idx, ins)
+                if op == "ld":
+                    self._classify_load(idx, ins)
+                else:
+                    self._classify(idx, ins)
                 continue
             if cls == 0:
                 continue                      # no provenance, no memory access
@@ -1579,7 +1595,8 @@ class _FnAnalysis:
         mods = ins.modifiers
         ops = ins.operands
         sid = ins.scope
-        vec, size = _type_info(mods)
+        space, vec, size = _mem_info(ins)
+        site_space = "global" if space == "global" else "generic"
         if what == "ld":
             cached = self.addr_cache.get(idx)
             if cached is not None:
@@ -1588,11 +1605,11 @@ class _FnAnalysis:
                     addr |= self._get(k)
             else:
                 addr = self._addr_origins(ops[1], sid)
-            yield _R, _site_space(mods), 1, addr, vec * size, "addr", ""
+            yield _R, site_space, 1, addr, vec * size, "addr", ""
         elif what == "st":
-            yield _W, _site_space(mods), 0, self._addr_origins(ops[0], sid), vec * size, "addr", ""
+            yield _W, site_space, 0, self._addr_origins(ops[0], sid), vec * size, "addr", ""
         elif what in ("atom", "red"):
-            yield _RW, _site_space(mods), ai, self._addr_origins(ops[ai], sid), vec * size, "addr", ""
+            yield _RW, site_space, ai, self._addr_origins(ops[ai], sid), vec * size, "addr", ""
         elif what == "multimem":
             kind = mods[0] if mods else ""
             mode = {"ld_reduce": _R, "st": _W, "red": _RW}.get(kind, _RW)

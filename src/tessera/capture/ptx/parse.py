@@ -152,6 +152,7 @@ _SKIP_BODY_RE = re.compile(r"\.(?:loc|file|pragma)\b")
 _RANGE_RE = re.compile(r"(.+)<(\d+)>$")
 _ARRAY_RE = re.compile(r"\[\s*(\d*)\s*\]")
 _IDENT_RE = re.compile(r"[A-Za-z_$%][\w$]*")
+_DIRECTIVE_SPLIT_RE = re.compile(r"(?=\.\w)")
 
 
 def parse_int(s: str) -> int | None:
@@ -396,6 +397,17 @@ class _Parser:
                 elif append is not None and s[-1] == ":" and label_only(s):
                     self._label(s[:-1].rstrip())
                     continue
+                # a line that only opens or closes a nested `{ }` block (not the function body)
+                elif append is not None and s == "{":
+                    fn = self.fn
+                    scope = len(fn.scope_parent)
+                    fn.scope_parent.append(self.scope_stack[-1])
+                    self.scope_stack.append(scope)
+                    continue
+                elif append is not None and s == "}" and len(self.scope_stack) > 1:
+                    self.scope_stack.pop()
+                    scope = self.scope_stack[-1]
+                    continue
                 # one whole instruction on the line (with vector operands: not taken by the regex)
                 elif append is not None and s[-1] == ";" and c0 != "." and c0 != "{" and c0 != "}" \
                         and s.find(";") == len(s) - 1 and c0 != ";":
@@ -620,7 +632,7 @@ class _Parser:
                     return ("error", f"cannot parse parameter {d!r}")
                 dest.append(p)
         rest = m.group("rest").strip()
-        directives = [d.strip() for d in re.split(r"(?=\.\w)", rest) if d.strip()]
+        directives = [d.strip() for d in _DIRECTIVE_SPLIT_RE.split(rest) if d.strip()]
         for d in directives:
             if not d.startswith("."):
                 return ("error", f"unexpected text in function header: {d[:40]!r}")
