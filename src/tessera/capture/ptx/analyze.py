@@ -2027,6 +2027,14 @@ def analyze_ptx(text: str, file: str = "<ptx>", *, alias_loaded: bool = False
                 ) -> tuple[list[KernelAccess], list[PtxSyntaxError]]:
     """Parse and analyse PTX text: the kernels that could be analysed, and the errors found (syntax
     errors, and internal errors for which a kernel got the conservative all-read-write answer)."""
-    module = parse_ptx(text, file)
-    kernels = analyze_module(module, alias_loaded=alias_loaded)
-    return kernels, list(module.errors)
+    enabled = gc.isenabled()
+    gc.disable()  # parse and analysis create no cycles; freeing the module before collecting saves a scan
+    try:
+        module = parse_ptx(text, file)
+        kernels = analyze_module(module, alias_loaded=alias_loaded)
+        errors = list(module.errors)
+        del module
+    finally:
+        if enabled:
+            gc.enable()
+    return kernels, errors
