@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass, field
 
 from tessera.capture.ptx.analyze import access_sites
-from tessera.capture.ptx.parse import Module, parse_ptx
+from tessera.capture.ptx.parse import Module, parse_int, parse_ptx, split_operands
 
 BUFFER_PARAM = "__tessera_ranges"
 SLOT_BYTES = 16
@@ -51,7 +51,6 @@ _PRED_RE = re.compile(r"@\s*(!?\s*%?[\w$]+)\s+")
 _TOKEN_RE = re.compile(r"[\w.:$]+")
 _PARAM_NAME_RE = re.compile(r"([A-Za-z_$%][\w$]*)\s*(?:\[\s*\d*\s*\]\s*)*$")
 _ADDRESS_RE = re.compile(r"^(%?[A-Za-z_$][\w$]*)(?:([+-])(-?(?:0[xX][0-9a-fA-F]+|\d+)))?$")
-_INT_RE = re.compile(r"^-?(?:0[xX][0-9a-fA-F]+|\d+)[uU]?$")
 _REG_RANGE_RE = re.compile(r"^(.*?)<(\d+)>$")
 
 
@@ -255,7 +254,7 @@ def _functions(src: _Source) -> list[_Fn]:
 
 def _param_names(params_text: str) -> list[str]:
     names = []
-    for part in _split_top(params_text):
+    for part in split_operands(params_text):
         match = _PARAM_NAME_RE.search(part.strip())
         if match:
             names.append(match.group(1))
@@ -293,25 +292,8 @@ def _parse_statement(src: _Source, start: int, end: int) -> _Stmt:
         predicate, rest = pred.group(1).replace(" ", ""), text[pred.end():]
     token = _TOKEN_RE.match(rest)
     token_text = token.group(0) if token else ""
-    operands = [o.strip() for o in _split_top(rest[len(token_text):]) if o.strip()]
+    operands = [o.strip() for o in split_operands(rest[len(token_text):]) if o.strip()]
     return _Stmt(start, end, src.line(start), src.line(end), text, predicate, token_text, operands)
-
-
-def _split_top(text: str) -> list[str]:
-    """Split at commas outside (), [] and {}."""
-    parts, depth, current = [], 0, []
-    for c in text:
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        if c == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(c)
-    parts.append("".join(current))
-    return parts
 
 
 def _declared_registers(stmts: list[_Stmt]) -> tuple[dict[str, str], dict[str, tuple[str, int]]]:
@@ -383,7 +365,7 @@ def _read_copy(stmt: _Stmt, fn: _Fn) -> _Site | None:
     if "bulk" in mods:
         _set_size(site, ops[2], fn)
     else:
-        site.width = _int(ops[2]) or 0
+        site.width = parse_int(ops[2]) or 0
         if len(ops) > 3:
             extra = ops[3].lstrip("!")
             if fn.reg_type(extra) == "pred" or (fn.reg_type(extra) is None and extra.startswith("%p")):
@@ -395,7 +377,7 @@ def _read_copy(stmt: _Stmt, fn: _Fn) -> _Site | None:
 
 def _set_size(site: _Site, operand: str, fn: _Fn) -> None:
     """A copy size: an immediate becomes the width, a register is read at run time."""
-    value = _int(operand)
+    value = parse_int(operand)
     if value is not None:
         site.width = value
         if value == 0:
@@ -405,11 +387,6 @@ def _set_size(site: _Site, operand: str, fn: _Fn) -> None:
     else:
         site.instrumentable = False
         site.reason = f"copy size {operand!r} not understood; treated conservatively"
-
-
-def _int(text: str) -> int | None:
-    text = text.strip()
-    return int(text.rstrip("uU"), 0) if _INT_RE.match(text) else None
 
 
 class _Analysis:

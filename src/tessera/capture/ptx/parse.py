@@ -22,7 +22,7 @@ from tessera.errors import TesseraError
 
 __all__ = [
     "TYPE_SIZES", "Function", "Instruction", "Module", "Param", "PtxError", "PtxSyntaxError", "parse_int",
-    "parse_ptx",
+    "parse_ptx", "split_operands",
 ]
 
 
@@ -170,7 +170,7 @@ def parse_int(s: str) -> int | None:
         return None
 
 
-def _split_top(s: str) -> list[str]:
+def split_operands(s: str) -> list[str]:
     """Split `s` at commas that are not nested in (), [] or {} (one level, as in PTX); stripped parts.
     An empty part (two commas in a row) is kept as "" so that callers can reject it."""
     if ",," in s.replace(" ", "").replace("\t", ""):
@@ -844,7 +844,7 @@ class _Parser:
                 self._fail(lineno, f"unbalanced brackets in {text[:60]!r}")
                 return
             if "{" in ops or "(" in ops:
-                operands = [o.replace(" ", "").replace("\t", "") for o in _split_top(ops)]
+                operands = [o.replace(" ", "").replace("\t", "") for o in split_operands(ops)]
             else:
                 operands = ops.replace(" ", "").replace("\t", "").split(",")
             if "" in operands:
