@@ -453,7 +453,7 @@ def test_agreement_is_total_over_the_corpus():
 # --------------------------------------------------------------------------- the Triton truth is reproducible
 
 
-@pytest.mark.slow
+# Not slow-marked: it is the only test that checks the committed Triton ground truth itself (~15-20 s).
 def test_triton_ground_truth_reobserved_under_interpreter(tmp_path):
     """Re-run the observation (TRITON_INTERPRET=1, CPU) and compare with the committed JSON."""
     pytest.importorskip("triton")
