@@ -10,6 +10,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Triton kernels run on the CPU through Triton's interpreter, which must be chosen before triton is imported.
 os.environ["TRITON_INTERPRET"] = "1"
+# Rich sizes tables to the terminal; CI terminals vary, so the CLI tests see one known width.
+os.environ["COLUMNS"] = "160"
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

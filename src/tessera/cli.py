@@ -15,7 +15,7 @@ from tessera.errors import TesseraError
 app = typer.Typer(help="Tessera: kernel-granularity disaggregated serving on heterogeneous GPUs.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 out = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # errors are never wrapped: paths stay greppable
 
 
 def _mount_subcommands() -> None:

@@ -22,7 +22,7 @@ from tessera.errors import TesseraError
 ptx_app = typer.Typer(help="Analyse PTX kernels (which arguments they read and write) and instrument them.",
                       no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 _out = Console(highlight=False)
-_err = Console(stderr=True, highlight=False)
+_err = Console(stderr=True, highlight=False, soft_wrap=True)  # never wrap error lines
 
 _ACCESS_STYLE = {"none": "dim", "read": "green", "write": "yellow", "read-write": "bold red"}
 
