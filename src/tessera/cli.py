@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from tessera import cli_options as opt
 from tessera.errors import TesseraError
 
 app = typer.Typer(help="Tessera: kernel-granularity disaggregated serving on heterogeneous GPUs.",
@@ -20,8 +21,10 @@ err = Console(stderr=True, soft_wrap=True)  # errors are never wrapped: paths st
 
 def _mount_subcommands() -> None:
     from tessera.capture.ptx.cli import ptx_app
+    from tessera.cost.cli import register as register_cost
 
     app.add_typer(ptx_app, name="ptx", help="Analyse and instrument PTX of opaque kernels.")
+    register_cost(app)
 
 
 _mount_subcommands()
@@ -63,37 +66,27 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the catalog
 
 @app.command()
 def trace(
-    model: str = typer.Argument(..., help="Catalog name (see `tessera models`) or a local HF model directory."),
-    phase: str = typer.Option("decode", "--phase", "-p", help="prefill|decode (LLM, MoE, SSM); "
-                              "encode|prefill|decode (VLM); encode|step|decode (diffusion)."),
-    batch: int = typer.Option(None, "--batch", "-b", help="Batch size (default: 1 for prefill, 8 for decode)."),
-    seq: int = typer.Option(None, "--seq", "-s", help="Prompt length of a prefill (default 512)."),
-    ctx: int = typer.Option(None, "--ctx", "-c", help="KV-cache capacity bucket (default 2048)."),
-    image: str = typer.Option(None, "--image", help="VLM image size WxH (default 504x504)."),
-    resolution: str = typer.Option(None, "--resolution", help="Diffusion resolution N or WxH (default 1024)."),
+    model: str = opt.MODEL,
+    phase: str = opt.PHASE,
+    batch: int = opt.BATCH,
+    seq: int = opt.SEQ,
+    ctx: int = opt.CTX,
+    image: str = opt.IMAGE,
+    resolution: str = opt.RESOLUTION,
     device: str = typer.Option("meta", "--device", help="meta (no memory, any size) or cpu (random weights)."),
     output: Path = typer.Option(None, "--output", "-o", help="Write the versioned graph JSON here."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    as_json: bool = opt.JSON,
 ) -> None:
     """Trace one model step into a KernelGraph and print its summary."""
+    from tessera.capture.api import trace_model
     from tessera.capture.models import resolve_model
-    from tessera.capture.phases import check_phase, make_step
-    from tessera.capture.steps.diffusion import parse_resolution
-    from tessera.capture.steps.vlm import parse_image_size
-    from tessera.capture.trace import trace as run_trace
     from tessera.graph.summary import summarize
 
     try:
-        spec = resolve_model(model)  # the model name is checked before anything else
-        check_phase(spec, phase)
-        if device not in ("meta", "cpu"):
-            raise TesseraError(f"--device must be meta or cpu (got {device!r})")
-        img = parse_image_size(image) if image else None
-        res = parse_resolution(resolution) if resolution else None
+        spec = resolve_model(model)
         with err.status(f"building {spec.name} on {device} and tracing its {phase} step..."):
-            step = make_step(model, phase, batch=batch, seq=seq, ctx=ctx, image=img, resolution=res,
-                             device=device)
-            graph = run_trace(step)
+            graph = trace_model(model, phase, batch=batch, seq=seq, ctx=ctx, image=image, resolution=resolution,
+                                device=device)
         if output:
             graph.save(output)
     except TesseraError as e:
@@ -121,6 +114,74 @@ def _print_summary(s: dict) -> None:
               f"{s['buffers']} buffers, {s['accesses']} accesses, edges {s['edges']}; "
               f"traced in {s['trace_seconds']:.3f} s" + (f"; graph written to {s['graph_file']}"
                                                          if "graph_file" in s else ""), highlight=False)
+
+
+@app.command()
+def profile(
+    model: str = opt.MODEL,
+    phase: str = opt.PHASE,
+    batch: int = opt.BATCH,
+    seq: int = opt.SEQ,
+    ctx: int = opt.CTX,
+    image: str = opt.IMAGE,
+    resolution: str = opt.RESOLUTION,
+    device: str = typer.Option("cpu", "--device", help="cpu (all cores), cpu:N (one of N workers: cores//N "
+                               "threads), cuda or cuda:I."),
+    threads: int = typer.Option(None, "--threads", "-t", help="CPU threads (overrides the cpu:N default)."),
+    warmup: int = typer.Option(3, "--warmup", help="Untimed calls of each kernel before timing."),
+    repeats: int = typer.Option(10, "--repeats", "-r", help="Timed calls of each kernel (the median is kept)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Write the versioned profile JSON here."),
+) -> None:
+    """Time every kernel of one model step on a real device and write the profile."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tessera.capture.models import resolve_model
+    from tessera.capture.phases import check_phase
+    from tessera.capture.steps.diffusion import parse_resolution
+    from tessera.capture.steps.vlm import parse_image_size
+    from tessera.cost.profiler import check_counts, profile_model, resolve_target
+
+    try:
+        spec = resolve_model(model)  # the model name is checked before anything else
+        check_phase(spec, phase)
+        target = resolve_target(device, threads)
+        check_counts(warmup, repeats)
+        img = parse_image_size(image) if image else None
+        res = parse_resolution(resolution) if resolution else None
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                       console=err, transient=True)
+        with bar:
+            task = bar.add_task(f"building and tracing {spec.name} {phase} on {target.torch_device}", total=None)
+
+            def progress(done: int, total: int) -> None:
+                bar.update(task, description=f"timing kernels on {target.id}", completed=done, total=total)
+
+            prof, graph = profile_model(model, phase, batch=batch, seq=seq, ctx=ctx, image=img, resolution=res,
+                                        device=device, threads=threads, warmup=warmup, repeats=repeats,
+                                        progress=progress)
+        prof.save(output)
+    except TesseraError as e:
+        _fail(e)
+    shape = ", ".join(f"{k} {v}" for k, v in prof.shape.items())
+    where = f"{prof.device}" + (f", {prof.threads} threads" if prof.threads else "")
+    table = Table(title=f"{prof.model} {prof.phase} ({shape}) on {where}")
+    for col in ("op class", "kernels", "median time", "share"):
+        table.add_column(col, justify="left" if col == "op class" else "right")
+    total = prof.total_s
+    for cls, (n, seconds) in prof.by_op_class().items():
+        table.add_row(cls, str(n), _duration(seconds), f"{100 * seconds / total:.1f}%" if total else "-")
+    table.add_row("[bold]total", f"[bold]{len(prof.kernels)}", f"[bold]{_duration(total)}", "")
+    out.print(table)
+    out.print(f"{prof.device_name}; graph {prof.graph_hash}; {len(prof.by_signature())} distinct kernel "
+              f"signatures; median of {prof.repeats} calls after {prof.warmup} warm-up calls each; profile "
+              f"written to {output}", highlight=False)
+
+
+def _duration(seconds: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -7,6 +7,7 @@ view the trace recorded, so a graph traced on `meta` runs bit for bit like eager
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -102,29 +103,54 @@ class Executor:
                 t = t.to(self.device).contiguous().clone()
             self.storages[name] = t.untyped_storage()
 
-    def run(self, inputs: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Execute the program; ``state`` tensors are updated in place; returns the step outputs."""
+    def view(self, ref: TensorRef) -> torch.Tensor:
+        """The tensor a buffer view refers to over the current storages (allocated zeroed if unwritten)."""
+        return self._materialize(ref)
+
+    def prepare(self, inputs: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
+        """Start a step: bind weights, constants, ``inputs`` and ``state``; no activation exists yet."""
         self.storages = dict(self._static)
         self._bind_inputs("input", self.graph.inputs, inputs)
         self._bind_inputs("state", self.graph.state, state)
-        kernels = self.graph.kernels
+
+    def bind_kernel(self, index: int) -> tuple[Any, list[Any], dict[str, Any]]:
+        """The op of kernel ``index`` and its arguments as tensors over the current storages.
+
+        Calling ``func(*args, **kwargs)`` again reruns the kernel on the same tensors (what a profiler
+        times); its result is not bound, see :meth:`run_kernel`.
+        """
+        k = self.graph.kernels[index]
+        func = resolve_op(k.op)
+        args = decode(k.args, self._materialize, self.device)
+        kwargs = {n: decode(v, self._materialize, self.device) for n, v in k.kwargs.items()}
+        return func, args, kwargs
+
+    def run_kernel(self, index: int) -> None:
+        """Run kernel ``index`` once on the current storages and bind the buffers it produces."""
+        k = self.graph.kernels[index]
+        func, args, kwargs = self.bind_kernel(index)
         with torch.no_grad():
-            for ins in self.program.instructions:
-                if ins.kind == "run":
-                    k = kernels[ins.kernel]
-                    func = resolve_op(k.op)
-                    args = decode(k.args, self._materialize, self.device)
-                    kwargs = {n: decode(v, self._materialize, self.device) for n, v in k.kwargs.items()}
-                    try:
-                        out = func(*args, **kwargs)
-                    except Exception as e:
-                        raise ExecutionError(f"kernel {k.id} failed: {e}") from e
-                    outs = tree_flatten(out)[0]
-                    for ref_json, value in zip(k.outputs, outs, strict=False):
-                        if ref_json is not None and isinstance(value, torch.Tensor):
-                            self._bind_output(TensorRef.from_json(ref_json), value)
-                elif ins.kind == "free":
-                    self.storages.pop(ins.buffer, None)
-                else:
-                    raise ExecutionError(f"instruction {ins.kind} needs the distributed runtime")
+            try:
+                out = func(*args, **kwargs)
+            except Exception as e:
+                raise ExecutionError(f"kernel {k.id} failed: {e}") from e
+            outs = tree_flatten(out)[0]
+            for ref_json, value in zip(k.outputs, outs, strict=False):
+                if ref_json is not None and isinstance(value, torch.Tensor):
+                    self._bind_output(TensorRef.from_json(ref_json), value)
+
+    def outputs(self) -> dict[str, torch.Tensor]:
+        """The step outputs as tensors over the current storages."""
         return {name: self._materialize(TensorRef.from_json(ref)) for name, ref in self.graph.outputs.items()}
+
+    def run(self, inputs: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Execute the program; ``state`` tensors are updated in place; returns the step outputs."""
+        self.prepare(inputs, state)
+        for ins in self.program.instructions:
+            if ins.kind == "run":
+                self.run_kernel(ins.kernel)
+            elif ins.kind == "free":
+                self.storages.pop(ins.buffer, None)
+            else:
+                raise ExecutionError(f"instruction {ins.kind} needs the distributed runtime")
+        return self.outputs()

@@ -1,0 +1,112 @@
+"""Fit this host's per-class CPU factors (dispatch overhead, compute and memory efficiency) on
+measured profiles, and measure the error of the fitted model on other kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tessera.cost.efficiency import ClassEfficiency, DeviceEfficiency, prior_efficiency
+from tessera.cost.features import FeatureExtractor, KernelFeatures
+from tessera.cost.options import CostOptions
+from tessera.cost.profile import Profile
+from tessera.cost.roofline import L2_RESIDENT_FRACTION, compute_path, l2_bandwidth
+from tessera.errors import TesseraError
+from tessera.graph.ir import KernelGraph
+from tessera.hardware.catalog import DeviceSpec
+
+_EFF = np.geomspace(0.002, 1.0, 48)
+_OVERHEAD = np.geomspace(5e-7, 2e-4, 49)
+
+
+class CalibrationError(TesseraError):
+    """Profiles that cannot be fitted (no kernels, graph mismatch)."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One profiled kernel: its features and its measured median time."""
+
+    features: KernelFeatures
+    measured_s: float
+    source: str  # "model phase shape"
+
+
+def samples(graph: KernelGraph, profile: Profile) -> list[Sample]:
+    """Pair a profile's timings with the features of the same kernels in ``graph`` (matched by signature,
+    so a profile measured on a CPU trace pairs with a `meta` trace of the same step)."""
+    from tessera.cost.profile import kernel_signature
+
+    ex = FeatureExtractor(graph, CostOptions())
+    by_sig = {kernel_signature(k): k for k in graph.kernels}
+    label = f"{profile.model} {profile.phase} {profile.shape}"
+    missing = [t.id for t in profile.kernels if t.signature not in by_sig]
+    if missing:
+        raise CalibrationError(f"{len(missing)} profiled kernels of {profile.model} {profile.phase} are not in the "
+                               f"traced graph (e.g. {missing[0]}): profile and graph must be the same step")
+    return [Sample(ex.features(by_sig[t.signature]), t.median_s, label) for t in profile.kernels]
+
+
+def _unit_times(rows: list[Sample], device: DeviceSpec) -> tuple[np.ndarray, np.ndarray]:
+    """(compute seconds at full efficiency, memory seconds at full efficiency) per sample."""
+    cu, mu = [], []
+    for s in rows:
+        f = s.features
+        peak = device.peak_flops(compute_path(f, device, CostOptions())) or device.peak_flops("fp32")
+        cu.append(f.flops / peak)
+        dram = f.weight_bytes + f.kv_bytes
+        if f.other_bytes <= L2_RESIDENT_FRACTION * device.l2_bytes:
+            mu.append(dram / device.memory_bandwidth + f.other_bytes / l2_bandwidth(device))
+        else:
+            mu.append((dram + f.other_bytes) / device.memory_bandwidth)
+    return np.array(cu), np.array(mu)
+
+
+def fit_class(rows: list[Sample], device: DeviceSpec) -> ClassEfficiency:
+    """Grid-search overhead and efficiencies minimising the squared log error of one class's kernels."""
+    cu, mu = _unit_times(rows, device)
+    measured = np.array([s.measured_s for s in rows])
+    best = None
+    ec = _EFF[:, None]
+    em = _EFF[None, :]
+    for ov in _OVERHEAD:
+        loss = np.zeros((len(_EFF), len(_EFF)))
+        for c, m, t in zip(cu, mu, measured, strict=True):
+            pred = ov + np.maximum(c / ec, m / em)
+            loss += np.log(pred / t) ** 2
+        i, j = np.unravel_index(np.argmin(loss), loss.shape)
+        if best is None or loss[i, j] < best[0]:
+            best = (loss[i, j], ov, _EFF[i], _EFF[j])
+    _, ov, c, m = best
+    return ClassEfficiency(compute=float(c), memory=float(m), floor_cycles=0.0, overhead_s=float(ov))
+
+
+def fit_host(samples_: list[Sample], device: DeviceSpec, min_kernels: int = 3) -> DeviceEfficiency:
+    """Per-class CPU factors fitted on the samples (classes with too few kernels keep the priors)."""
+    if not samples_:
+        raise CalibrationError("no profiled kernels to fit")
+    priors = prior_efficiency(device)
+    classes = dict(priors.classes)
+    fitted = []
+    for cls in sorted({s.features.cost_class for s in samples_}):
+        rows = [s for s in samples_ if s.features.cost_class == cls]
+        if len(rows) >= min_kernels:
+            classes[cls] = fit_class(rows, device)
+            fitted.append(cls)
+    sources = sorted({s.source for s in samples_})
+    return DeviceEfficiency(device.id, classes, f"fitted on {len(samples_)} kernels of {'; '.join(sources)} "
+                            f"({device.name}, {device.threads} threads)", tuple(fitted))
+
+
+def relative_errors(samples_: list[Sample], device: DeviceSpec, eff: DeviceEfficiency) -> dict[str, list[float]]:
+    """|predicted/measured - 1| per cost class (and 'overall') with the given factors."""
+    from tessera.cost.roofline import kernel_time
+
+    out: dict[str, list[float]] = {"overall": []}
+    for s in samples_:
+        pred = kernel_time(s.features, device, eff.classes[s.features.cost_class]).time_s
+        e = abs(pred / s.measured_s - 1)
+        out.setdefault(s.features.cost_class, []).append(e)
+        out["overall"].append(e)
+    return out

@@ -1,0 +1,145 @@
+"""Per-device, per-class efficiency factors: analytic priors, GPU factors fitted on measurements,
+and host (CPU) factors fitted on this machine's profiles."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from pathlib import Path
+
+import yaml
+
+from tessera.cost.features import COST_CLASSES
+from tessera.errors import TesseraError
+from tessera.hardware.catalog import DeviceSpec
+
+DATA_DIR = Path(__file__).parent / "data"
+PRIORS_FILE = DATA_DIR / "efficiency_priors.yaml"
+GPU_FACTORS_FILE = DATA_DIR / "gpu_factors.json"
+
+
+class FactorsError(TesseraError):
+    """An efficiency-factor file is malformed."""
+
+
+@dataclass(frozen=True)
+class ClassEfficiency:
+    """How close kernels of one class get to a device's peaks, and their shortest duration."""
+
+    compute: float
+    memory: float
+    floor_cycles: float
+    overhead_s: float | None = None  # fixed host cost per kernel; None: the device's launch latency
+
+
+@dataclass(frozen=True)
+class DeviceEfficiency:
+    """The factors the cost model uses for one device, with where they came from."""
+
+    device: str
+    classes: dict[str, ClassEfficiency]
+    source: str
+    fitted: tuple[str, ...] = field(default=())  # classes whose factors were fitted on measurements
+
+    def to_dict(self) -> dict:
+        return {"device": self.device, "source": self.source, "fitted": list(self.fitted),
+                "classes": {c: asdict(e) for c, e in self.classes.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> DeviceEfficiency:
+        try:
+            classes = {c: ClassEfficiency(**e) for c, e in d["classes"].items()}
+            unknown = set(classes) - set(COST_CLASSES)
+            if unknown:
+                raise FactorsError(f"{where}: unknown cost classes {sorted(unknown)} (known: {COST_CLASSES})")
+            return cls(device=d["device"], classes=classes, source=d["source"], fitted=tuple(d.get("fitted", ())))
+        except (KeyError, TypeError) as e:
+            raise FactorsError(f"{where}: malformed device factors ({e}); expected device, source and "
+                               "classes: {class: {compute, memory, floor_cycles[, overhead_s]}}") from e
+
+
+@cache
+def _priors() -> dict:
+    data = yaml.safe_load(PRIORS_FILE.read_text())
+    out = {}
+    for kind in ("gpu", "cpu"):
+        out[kind] = {c: ClassEfficiency(e["compute"], e["memory"], e["floor_cycles"],
+                                        e["overhead_us"] * 1e-6 if "overhead_us" in e else None)
+                     for c, e in data[kind].items()}
+        missing = set(COST_CLASSES) - set(out[kind])
+        if missing:
+            raise FactorsError(f"{PRIORS_FILE}: {kind} priors miss classes {sorted(missing)}")
+    out["source"] = " ".join(data["source"].split())
+    return out
+
+
+def prior_efficiency(device: DeviceSpec) -> DeviceEfficiency:
+    """The analytic priors for a device's kind (GPU or host CPU)."""
+    kind = "cpu" if device.vendor == "host" else "gpu"
+    return DeviceEfficiency(device.id, dict(_priors()[kind]), _priors()["source"])
+
+
+@cache
+def _gpu_factors() -> dict[str, DeviceEfficiency]:
+    if not GPU_FACTORS_FILE.exists():
+        return {}
+    data = json.loads(GPU_FACTORS_FILE.read_text())
+    return {d: DeviceEfficiency.from_dict(v, f"{GPU_FACTORS_FILE} device {d}") for d, v in data["devices"].items()}
+
+
+def gpu_factors_provenance() -> dict:
+    """What the shipped GPU factors were fitted on, and their held-out error."""
+    return json.loads(GPU_FACTORS_FILE.read_text())["provenance"] if GPU_FACTORS_FILE.exists() else {}
+
+
+def host_factors_file() -> Path:
+    """Where `tessera calibrate` keeps this host's fitted CPU factors."""
+    from tessera.capture.models import default_cache_dir
+
+    return default_cache_dir() / "host" / "cpu_factors.json"
+
+
+def load_factors(path: str | Path) -> DeviceEfficiency:
+    """Device factors written by :func:`save_factors` (e.g. by `tessera calibrate`)."""
+    p = Path(path)
+    try:
+        return DeviceEfficiency.from_dict(json.loads(p.read_text()), str(p))
+    except OSError as e:
+        raise FactorsError(f"cannot read factors file {p}: {e.strerror}") from e
+    except json.JSONDecodeError as e:
+        raise FactorsError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from e
+
+
+def save_factors(factors: DeviceEfficiency, path: str | Path) -> None:
+    """Write device factors as JSON (atomically)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps(factors.to_dict(), indent=2))
+    tmp.replace(p)
+
+
+def efficiency_for(device: DeviceSpec) -> DeviceEfficiency:
+    """The factors for ``device``: fitted ones where measured (GPU: per device, else inherited from a
+    fitted part of the same architecture; CPU: this host's calibration), else the priors."""
+    priors = prior_efficiency(device)
+    if device.vendor == "host":
+        f = host_factors_file()
+        fitted = load_factors(f) if f.exists() else None
+    else:
+        factors = _gpu_factors()
+        fitted = factors.get(device.id)
+        if fitted is None:
+            from tessera.hardware.catalog import load_devices
+
+            specs = load_devices()
+            same_arch = [d for d in factors if d in specs and specs[d].arch == device.arch]
+            if same_arch:
+                base = factors[same_arch[0]]
+                fitted = DeviceEfficiency(device.id, base.classes, f"inherited from {base.device} "
+                                          f"({device.arch}): {base.source}", base.fitted)
+    if fitted is None:
+        return priors
+    classes = dict(priors.classes) | {c: e for c, e in fitted.classes.items() if c in fitted.fitted}
+    return DeviceEfficiency(device.id, classes, fitted.source, fitted.fitted)

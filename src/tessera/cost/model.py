@@ -1,0 +1,78 @@
+"""The cost model: time of every kernel of a graph on a device, measured where profiled, else the
+calibrated roofline; and the step time with its breakdown by class and block."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from tessera.cost.efficiency import DeviceEfficiency, efficiency_for
+from tessera.cost.features import FeatureExtractor
+from tessera.cost.options import CostOptions
+from tessera.cost.profile import Profile, kernel_signature
+from tessera.cost.roofline import KernelCost, kernel_time
+from tessera.errors import TesseraError
+from tessera.graph.ir import KernelGraph
+from tessera.hardware.catalog import DeviceSpec
+
+
+class ProfileDeviceError(TesseraError):
+    """A profile measured on one device was given for another."""
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """A step's predicted time on one device, with per-kernel costs."""
+
+    device: str
+    step_time_s: float
+    kernels: list[KernelCost]
+    measured: int  # kernels whose time came from a profile
+
+    def by(self, key: str, graph: KernelGraph) -> dict[str, dict[str, float]]:
+        """Time, kernel count and share grouped by ``cost_class`` or ``block``."""
+        from tessera.cost.features import block_of
+
+        rows: dict[str, dict[str, float]] = defaultdict(lambda: {"kernels": 0, "time_s": 0.0})
+        for c in self.kernels:
+            name = c.cost_class if key == "cost_class" else block_of(graph.kernels[c.index])
+            rows[name]["kernels"] += 1
+            rows[name]["time_s"] += c.time_s
+        total = self.step_time_s or 1.0
+        return {k: v | {"share": v["time_s"] / total} for k, v in sorted(rows.items(), key=lambda kv: -kv[1]["time_s"])}
+
+
+class CostModel:
+    """Kernel times on one device: a profile's measured median where it has the kernel, else the roofline."""
+
+    def __init__(self, device: DeviceSpec, options: CostOptions = CostOptions(), profile: Profile | None = None,
+                 efficiency: DeviceEfficiency | None = None):
+        if profile is not None and profile.device != device.id:
+            raise ProfileDeviceError(f"the profile was measured on {profile.device}, not {device.id}; profile "
+                                     f"on {device.id} or drop --profile")
+        self.device, self.options = device, options
+        self.efficiency = efficiency or efficiency_for(device)
+        self.measured = profile.by_signature() if profile is not None else {}
+
+    def kernel_costs(self, graph: KernelGraph) -> list[KernelCost]:
+        """Cost of every kernel of ``graph`` in program order."""
+        extractor = FeatureExtractor(graph, self.options)
+        out = []
+        for k in graph.kernels:
+            f = extractor.features(k)
+            cost = kernel_time(f, self.device, self.efficiency.classes[f.cost_class], self.options)
+            t = self.measured.get(kernel_signature(k)) if self.measured else None
+            if t is not None:
+                cost = KernelCost(k.index, f.cost_class, t, cost.compute_s, cost.memory_s, cost.floor_s, "measured")
+            out.append(cost)
+        return out
+
+    def estimate(self, graph: KernelGraph) -> StepEstimate:
+        """The step's time (kernels run back to back on one device) and its per-kernel costs."""
+        costs = self.kernel_costs(graph)
+        return StepEstimate(self.device.id, sum(c.time_s for c in costs), costs,
+                            sum(c.bound == "measured" for c in costs))
+
+    def step_time(self, graph: KernelGraph) -> float:
+        """Predicted seconds of one step of ``graph`` on this device."""
+        return self.estimate(graph).step_time_s

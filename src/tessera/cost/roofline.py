@@ -1,0 +1,91 @@
+"""Time of one kernel on one device from its FLOPs and bytes: a roofline with per-class efficiency,
+wave quantisation over SMs, L2 residency of activations, and a clock/launch-latency floor."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tessera.cost.efficiency import ClassEfficiency
+from tessera.cost.features import TENSOR_CORE_CLASSES, KernelFeatures
+from tessera.cost.options import CostOptions
+from tessera.hardware.catalog import DeviceSpec
+
+TILE = 128  # output tile edge of a tensor-core GEMM / attention block: the unit of wave quantisation
+L2_BYTES_PER_CLOCK = {"gpu": 64, "host": 32}  # L2 (host: last-level cache) bytes per clock per SM/core
+L2_RESIDENT_FRACTION = 0.5  # activations up to this share of L2 are served from it (written just before)
+
+# dtype -> tensor-core path, with fallbacks for parts that lack it (V100 has no BF16: FP16 rate)
+_TENSOR_PATHS = {"bfloat16": ("bf16", "fp16", "fp32"), "float16": ("fp16", "bf16", "fp32"),
+                 "float32": ("fp32",), "float64": ("fp32",)}
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    """Predicted (or measured) time of a kernel on a device and what bounds it."""
+
+    index: int
+    cost_class: str
+    time_s: float
+    compute_s: float
+    memory_s: float
+    floor_s: float
+    bound: str  # "compute" | "memory" | "latency" | "measured"
+
+
+def compute_path(f: KernelFeatures, device: DeviceSpec, options: CostOptions) -> str:
+    """The FLOP path a kernel runs on: a tensor-core dtype for matrix classes, FP32 vector otherwise."""
+    if f.cost_class not in TENSOR_CORE_CLASSES:
+        return "fp32"
+    if f.cost_class in ("gemm", "gemv", "grouped_gemm"):
+        if options.weights_dtype == "fp8" and device.peak_flops("fp8"):
+            return "fp8"
+        if options.weights_dtype == "mxfp4" and device.peak_flops("fp4"):
+            return "fp4"
+    for path in _TENSOR_PATHS.get(f.compute_dtype, ("fp32",)):
+        if device.peak_flops(path):
+            return path
+    return "fp32"
+
+
+def wave_utilisation(f: KernelFeatures, device: DeviceSpec) -> float:
+    """Share of the SMs' slots doing useful work once output tiles are dealt out in whole waves."""
+    if device.vendor == "host" or f.gemm is None or f.cost_class not in ("gemm", "grouped_gemm", "conv"):
+        return 1.0
+    batch, m, n, _ = f.gemm
+    tiles = batch * math.ceil(m / TILE) * math.ceil(n / TILE)
+    waves = math.ceil(tiles / device.sm_count)
+    return tiles / (waves * device.sm_count)
+
+
+def l2_bandwidth(device: DeviceSpec) -> float:
+    """Aggregate L2 (host: last-level cache) bandwidth implied by SM count and clock."""
+    per_clock = L2_BYTES_PER_CLOCK["host" if device.vendor == "host" else "gpu"]
+    return per_clock * device.sm_count * device.boost_clock_hz
+
+
+def kernel_time(f: KernelFeatures, device: DeviceSpec, eff: ClassEfficiency,
+                options: CostOptions = CostOptions()) -> KernelCost:
+    """Predicted time of one kernel: overhead + floor + max(compute, memory).
+
+    The floor (a class's fixed cycles: ramp-up, one wave, tail) is paid by every kernel, so the shortest
+    kernels run at the clock's pace; host overhead is the launch (CPU: dispatch) cost."""
+    peak = device.peak_flops(compute_path(f, device, options)) or device.peak_flops("fp32")
+    compute_s = f.flops / (peak * eff.compute) / wave_utilisation(f, device) if f.flops > 0 else 0.0
+    dram = f.weight_bytes + f.kv_bytes
+    resident = f.other_bytes <= L2_RESIDENT_FRACTION * device.l2_bytes
+    if resident:
+        memory_s = (dram / device.memory_bandwidth + f.other_bytes / l2_bandwidth(device)) / eff.memory
+    else:
+        memory_s = (dram + f.other_bytes) / (device.memory_bandwidth * eff.memory)
+    floor_s = eff.floor_cycles / device.boost_clock_hz
+    if eff.overhead_s is not None:
+        overhead = eff.overhead_s
+    elif device.vendor == "host" or not options.cuda_graphs:
+        overhead = device.launch_latency_s
+    else:
+        overhead = 0.0
+    work = max(compute_s, memory_s)
+    fixed = overhead + floor_s
+    bound = "latency" if fixed >= work else "compute" if compute_s >= memory_s else "memory"
+    return KernelCost(f.index, f.cost_class, fixed + work, compute_s, memory_s, fixed, bound)

@@ -1,0 +1,35 @@
+"""Hardware: the device catalog (datasheet GPUs, the measured host CPU) and clusters of devices."""
+
+from tessera.hardware.catalog import (
+    DeviceCatalogError,
+    DeviceSpec,
+    UnknownDeviceError,
+    device_ids,
+    host_spec,
+    load_devices,
+    resolve_device,
+)
+from tessera.hardware.cluster import (
+    Cluster,
+    ClusterSpecError,
+    DeviceInstance,
+    Link,
+    load_cluster_yaml,
+    parse_cluster,
+)
+
+__all__ = [
+    "Cluster",
+    "ClusterSpecError",
+    "DeviceCatalogError",
+    "DeviceInstance",
+    "DeviceSpec",
+    "Link",
+    "UnknownDeviceError",
+    "device_ids",
+    "host_spec",
+    "load_cluster_yaml",
+    "load_devices",
+    "parse_cluster",
+    "resolve_device",
+]

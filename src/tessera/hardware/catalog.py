@@ -1,0 +1,525 @@
+"""The device catalog: datasheet figures of each GPU type, and measured figures of this host's CPU.
+
+`devices.yaml` (next to this file) holds one row per device type in readable units; `load_devices` checks
+every row and converts it to a `DeviceSpec` in SI units (bytes, bytes/s, FLOP/s, Hz, seconds).
+`resolve_device` turns a name ("a100", "H100 SXM", "cpu:4") into a spec; lookup ignores case, '-', '_'
+and spaces. The `cpu` device is this host: `host_spec` measures it once (matmul FLOP/s, copy bandwidth,
+op dispatch latency) and caches the result as JSON.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import hashlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tessera.errors import TesseraError
+
+DEVICES_FILE = Path(__file__).with_name("devices.yaml")
+HOST_ID = "cpu"
+FLOP_PATHS = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
+PRICE_SCENARIOS = ("relative", "cloud_usd")
+VENDORS = ("nvidia", "amd", "host")
+
+
+class UnknownDeviceError(TesseraError):
+    """A device name that is not in the catalog (the message lists close matches and the known ids)."""
+
+
+class DeviceCatalogError(TesseraError):
+    """A devices file that breaks the schema (the message names the file, the row and the field)."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device type, in SI units. See devices.yaml for where each figure comes from."""
+
+    id: str
+    name: str
+    vendor: str
+    arch: str
+    memory_bytes: int
+    memory_bandwidth: float  # bytes/s
+    flops: dict[str, float]  # dense FLOP/s per compute path present on the part
+    sm_count: int  # SMs / CUs; physical cores for cpu
+    boost_clock_hz: float
+    l2_bytes: int  # last-level cache
+    launch_latency_s: float
+    nvlink_bandwidth: float | None  # bytes/s per direction; None without NVLink
+    pcie_bandwidth: float  # bytes/s per direction of the host link
+    prices: dict[str, float]  # scenario -> price per device-hour
+    aliases: tuple[str, ...]
+    source: str
+    as_of: str
+    measured: bool = False
+    threads: int | None = None
+
+    def peak_flops(self, path: str) -> float | None:
+        """Dense peak FLOP/s of compute path `path` ("fp32", "bf16", ...); None when the part lacks it."""
+        if path not in FLOP_PATHS:
+            raise ValueError(f"unknown compute path {path!r}; known paths: {', '.join(FLOP_PATHS)}")
+        return self.flops.get(path)
+
+    def price(self, scenario: str = "relative") -> float:
+        """Price per device-hour under `scenario` ("relative" or "cloud_usd")."""
+        if scenario not in self.prices:
+            raise TesseraError(f"device {self.id} has no price for scenario {scenario!r}; "
+                               f"scenarios: {', '.join(sorted(self.prices))}")
+        return self.prices[scenario]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading and checking devices.yaml
+
+# YAML field -> (SI field, scale). Numbers must be positive; `nvlink_gb_s` may be null.
+_NUMBERS = {
+    "memory_gb": ("memory_bytes", 1e9),
+    "bandwidth_tb_s": ("memory_bandwidth", 1e12),
+    "boost_clock_mhz": ("boost_clock_hz", 1e6),
+    "l2_mib": ("l2_bytes", 2**20),
+    "launch_latency_us": ("launch_latency_s", 1e-6),
+    "nvlink_gb_s": ("nvlink_bandwidth", 1e9),
+    "pcie_gb_s": ("pcie_bandwidth", 1e9),
+}
+_TEXT = ("id", "name", "vendor", "arch", "source", "as_of")
+_GPU_FIELDS = frozenset(_TEXT) | frozenset(_NUMBERS) | {"tflops", "sm_count", "prices", "aliases"}
+_HOST_FIELDS = frozenset({"id", "vendor", "prices", "aliases", "source", "as_of"})
+
+
+@dataclass(frozen=True)
+class _HostRow:
+    """The static part of the `cpu` row: what is not measured."""
+
+    vendor: str
+    prices: dict[str, float]
+    aliases: tuple[str, ...]
+    source: str
+    as_of: str
+
+
+@dataclass(frozen=True)
+class _Catalog:
+    specs: dict[str, DeviceSpec]
+    host: _HostRow
+    index: dict[str, str]  # normalized id or alias -> canonical id
+
+
+def _norm(name: str) -> str:
+    return "".join(c for c in str(name).lower() if c not in "-_ ")
+
+
+class _Row:
+    """Typed access to one YAML row; every failure names the file, the row and the field."""
+
+    def __init__(self, file: Path, position: int, data: dict):
+        self.file, self.data = file, data
+        rid = data.get("id")
+        self.label = f"{position} (id {rid!r})" if isinstance(rid, str) else str(position)
+
+    def fail(self, field: str | None, problem: str) -> DeviceCatalogError:
+        where = f"row {self.label}" + (f", field '{field}'" if field else "")
+        return DeviceCatalogError(f"{self.file}: {where}: {problem}")
+
+    def check_fields(self, allowed: frozenset[str]) -> None:
+        missing = sorted(allowed - set(self.data))
+        extra = sorted(set(self.data) - allowed, key=str)
+        if missing:
+            raise self.fail(missing[0], f"missing (required fields: {', '.join(sorted(allowed))})")
+        if extra:
+            raise self.fail(str(extra[0]), f"unknown field (allowed: {', '.join(sorted(allowed))})")
+
+    def text(self, field: str) -> str:
+        value = self.data[field]
+        if not isinstance(value, str) or not value.strip():
+            raise self.fail(field, f"expected a non-empty string, got {value!r}")
+        return value.strip()
+
+    def number(self, value: Any, field: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(field, f"expected a number, got {value!r}")
+        if not value > 0:
+            raise self.fail(field, f"must be positive, got {value!r}")
+        return float(value)
+
+    def numbers(self, field: str, allowed: tuple[str, ...], scale: float) -> dict[str, float]:
+        value = self.data[field]
+        if not isinstance(value, dict) or not value:
+            raise self.fail(field, f"expected a mapping of {'/'.join(allowed)} to numbers, got {value!r}")
+        out = {}
+        for key, v in value.items():
+            if key not in allowed:
+                raise self.fail(f"{field}.{key}", f"unknown key (allowed: {', '.join(allowed)})")
+            out[key] = self.number(v, f"{field}.{key}") * scale
+        return out
+
+    def day(self, field: str) -> str:
+        value = self.data[field]
+        if isinstance(value, date):
+            return value.isoformat()
+        if not isinstance(value, str) or not value.strip():
+            raise self.fail(field, f"expected a date such as '2025-06-01', got {value!r}")
+        return value.strip()
+
+    def names(self, field: str) -> tuple[str, ...]:
+        value = self.data[field]
+        if not isinstance(value, list) or not all(isinstance(v, str | int) for v in value):
+            raise self.fail(field, f"expected a list of names, got {value!r}")
+        return tuple(str(v) for v in value)
+
+
+def _gpu_spec(row: _Row) -> DeviceSpec:
+    row.check_fields(_GPU_FIELDS)
+    vendor = row.text("vendor")
+    if vendor not in VENDORS[:2]:
+        raise row.fail("vendor", f"expected one of nvidia, amd, got {vendor!r}")
+    flops = row.numbers("tflops", FLOP_PATHS, 1e12)
+    if "fp32" not in flops:
+        raise row.fail("tflops.fp32", "missing (every part has an fp32 rate)")
+    sm = row.data["sm_count"]
+    if isinstance(sm, bool) or not isinstance(sm, int) or sm <= 0:
+        raise row.fail("sm_count", f"expected a positive whole number, got {sm!r}")
+    si: dict[str, Any] = {}
+    for field, (name, scale) in _NUMBERS.items():
+        value = row.data[field]
+        si[name] = None if value is None and field == "nvlink_gb_s" else row.number(value, field) * scale
+    for name in ("memory_bytes", "l2_bytes"):
+        si[name] = round(si[name])
+    prices = row.numbers("prices", PRICE_SCENARIOS, 1.0)
+    return DeviceSpec(id=row.text("id"), name=row.text("name"), vendor=vendor, arch=row.text("arch"),
+                      flops=flops, sm_count=sm, prices=prices, aliases=row.names("aliases"),
+                      source=row.text("source"), as_of=row.day("as_of"), **si)
+
+
+def _host_row(row: _Row) -> _HostRow:
+    row.check_fields(_HOST_FIELDS)
+    if row.text("vendor") != "host":
+        raise row.fail("vendor", "the cpu row's vendor must be 'host'")
+    return _HostRow(vendor="host", prices=row.numbers("prices", PRICE_SCENARIOS, 1.0),
+                    aliases=row.names("aliases"), source=row.text("source"), as_of=row.day("as_of"))
+
+
+def _read_catalog(path: Path) -> _Catalog:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise DeviceCatalogError(f"{path}: cannot read the devices file: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise DeviceCatalogError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(doc, dict) or set(doc) != {"devices"} or not isinstance(doc["devices"], list):
+        raise DeviceCatalogError(f"{path}: expected a mapping with one key, 'devices', holding a list of rows")
+    specs: dict[str, DeviceSpec] = {}
+    host: _HostRow | None = None
+    index: dict[str, str] = {}
+    owner: dict[str, int] = {}  # normalized name -> row that claimed it
+    for position, data in enumerate(doc["devices"]):
+        if not isinstance(data, dict):
+            raise DeviceCatalogError(f"{path}: row {position}: expected a mapping of fields, got {data!r}")
+        row = _Row(path, position, data)
+        if "id" not in data:
+            raise row.fail("id", "missing")
+        rid = row.text("id")
+        if rid == HOST_ID:
+            host = _host_row(row)
+            aliases = host.aliases
+        else:
+            spec = _gpu_spec(row)
+            specs[rid] = spec
+            aliases = spec.aliases
+        for name, field in [(rid, "id"), *((a, "aliases") for a in aliases)]:
+            key = _norm(name)
+            if owner.get(key, position) != position:
+                raise row.fail(field, f"{name!r} is already used by device {index[key]!r} (row {owner[key]}); "
+                                      "ids and aliases must be unique ignoring case, '-', '_' and spaces")
+            index[key], owner[key] = rid, position
+    if host is None:
+        raise DeviceCatalogError(f"{path}: no row with id 'cpu' (the host's static fields: vendor, prices, ...)")
+    return _Catalog(specs=specs, host=host, index=index)
+
+
+@functools.lru_cache(maxsize=1)
+def _default_catalog() -> _Catalog:
+    return _read_catalog(DEVICES_FILE)
+
+
+def _catalog(path: Path | None = None) -> _Catalog:
+    return _default_catalog() if path is None else _read_catalog(Path(path))
+
+
+def load_devices(path: Path | None = None) -> dict[str, DeviceSpec]:
+    """The datasheet devices (every row but `cpu`, which is measured: see `host_spec`), by canonical id.
+
+    Every row is checked, the `cpu` row included: missing or unknown fields, types, positive numbers,
+    known compute paths and price scenarios, and no id or alias used twice.
+
+    Args:
+        path: a devices YAML file; default the packaged `devices.yaml`.
+
+    Raises:
+        DeviceCatalogError: the file breaks the schema (the message names the file, row and field).
+    """
+    return dict(_catalog(path).specs)
+
+
+def device_ids() -> list[str]:
+    """Canonical ids of every known device, `cpu` last."""
+    return [*_default_catalog().specs, HOST_ID]
+
+
+def canonical_id(name: str) -> str:
+    """The canonical id of a device name or alias ("a100-sxm" -> "A100", "host" -> "cpu").
+
+    Raises:
+        UnknownDeviceError: no device has that name (the message lists close matches).
+    """
+    cat = _default_catalog()
+    rid = cat.index.get(_norm(name))
+    if rid is not None:
+        return rid
+    names = {_norm(n): rid for rid, spec in cat.specs.items() for n in (rid, *spec.aliases)}
+    names.update({_norm(n): HOST_ID for n in (HOST_ID, *cat.host.aliases)})
+    close = difflib.get_close_matches(_norm(name), list(names), n=6, cutoff=0.6)
+    matches = list(dict.fromkeys(names[c] for c in close))
+    hint = f"; did you mean {', '.join(matches)}?" if matches else ""
+    raise UnknownDeviceError(f"unknown device {name!r}{hint} Known devices: {', '.join(device_ids())} "
+                             "(names ignore case, '-', '_' and spaces; 'cpu:N' = this host split N ways)")
+
+
+def resolve_device(name: str) -> DeviceSpec:
+    """The spec of device `name`: a catalog id or alias, "cpu" (this host, measured), or "cpu:N".
+
+    "cpu:N" is this host split into N workers: each uses cores // N threads (at least 1).
+
+    Raises:
+        UnknownDeviceError: an unknown name or a malformed "cpu:N".
+    """
+    base, sep, count = str(name).strip().partition(":")
+    rid = canonical_id(base)
+    if rid != HOST_ID:
+        if sep:
+            raise UnknownDeviceError(f"device {name!r}: only 'cpu' takes ':N' (workers); a GPU count belongs "
+                                     f"in a cluster spec such as 'A100:2,L40S:1'")
+        return _default_catalog().specs[rid]
+    if not sep:
+        return host_spec()
+    if not count.strip().isdigit() or int(count) < 1:
+        raise UnknownDeviceError(f"device {name!r}: expected 'cpu:N' with N a whole number >= 1 (workers)")
+    return host_spec(max(1, host_cores() // int(count)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Measuring this host
+
+_HOST_CACHE_VERSION = 1
+_FALLBACK_LLC = 32 * 2**20
+_FALLBACK_CLOCK_HZ = 2.5e9
+_SYS_CPU = Path("/sys/devices/system/cpu")
+
+
+def host_cores() -> int:
+    """Physical cores this process may run on (logical CPUs where the topology is not readable)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+    cores = set()
+    for c in cpus:
+        topo = _SYS_CPU / f"cpu{c}" / "topology"
+        try:
+            cores.add(((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()))
+        except OSError:
+            return max(1, len(cpus))
+    return max(1, len(cores))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or f"{platform.machine()} CPU"
+
+
+def _size_bytes(text: str) -> int:
+    text = text.strip().upper()
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    return int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
+
+
+def _last_level_cache() -> tuple[int, str]:
+    best = (0, 0)
+    for index in sorted((_SYS_CPU / "cpu0" / "cache").glob("index*")):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            best = max(best, (int((index / "level").read_text()), _size_bytes((index / "size").read_text())))
+        except (OSError, ValueError):
+            continue
+    if best[1] > 0:
+        return best[1], f"L{best[0]} from /sys"
+    return _FALLBACK_LLC, "cache size unknown, 32 MiB assumed"
+
+
+def _max_clock() -> tuple[float, str]:
+    try:
+        return float((_SYS_CPU / "cpu0/cpufreq/cpuinfo_max_freq").read_text()) * 1e3, "clock from cpufreq"
+    except (OSError, ValueError):
+        pass
+    try:
+        mhz = [float(line.split(":", 1)[1]) for line in Path("/proc/cpuinfo").read_text().splitlines()
+               if line.startswith("cpu MHz")]
+        if mhz and max(mhz) > 0:
+            return max(mhz) * 1e6, "clock from /proc/cpuinfo"
+    except (OSError, ValueError):
+        pass
+    return _FALLBACK_CLOCK_HZ, "clock unknown, 2.5 GHz assumed"
+
+
+def _best_time(fn: Callable[[], object], runs: int) -> float:
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _matmul_flops(torch: Any, dtype: Any) -> float:
+    """Best FLOP/s of square matmuls, growing n until one run takes >= 20 ms (n <= 2048)."""
+    n = 256
+    while True:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        t = _best_time(lambda a=a, b=b: torch.mm(a, b), 1)
+        if t >= 0.02 or n >= 2048:
+            return 2 * n**3 / min(t, _best_time(lambda a=a, b=b: torch.mm(a, b), 3))
+        n *= 2
+
+
+def _copy_bandwidth(torch: Any, nbytes: int) -> float:
+    """Bytes read plus bytes written per second by a copy of `nbytes` bytes."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * nbytes / _best_time(lambda: dst.copy_(src), 5)
+
+
+def _dispatch_latency(torch: Any) -> float:
+    """Median seconds per eager torch.add on 1-element tensors."""
+    a, b = torch.ones(1), torch.ones(1)
+    for _ in range(200):
+        torch.add(a, b)
+    samples = []
+    for _ in range(200):
+        t0 = time.perf_counter_ns()
+        for _ in range(10):
+            torch.add(a, b)
+        samples.append((time.perf_counter_ns() - t0) / 10)
+    return statistics.median(samples) * 1e-9
+
+
+def _measure_host(threads: int) -> dict[str, Any]:
+    import torch
+
+    llc, llc_note = _last_level_cache()
+    clock, clock_note = _max_clock()
+    copy_bytes = min(512 * 2**20, max(64 * 2**20, 4 * llc))  # well beyond the last-level cache
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        flops = {"fp32": _matmul_flops(torch, torch.float32), "bf16": _matmul_flops(torch, torch.bfloat16)}
+        bandwidth = _copy_bandwidth(torch, copy_bytes)
+        latency = _dispatch_latency(torch)
+    finally:
+        torch.set_num_threads(before)
+    return {"name": _cpu_model(), "arch": platform.machine() or "unknown",
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "memory_bandwidth": bandwidth, "flops": flops, "boost_clock_hz": clock, "l2_bytes": llc,
+            "launch_latency_s": latency, "measured_on": date.today().isoformat(),
+            "notes": f"square matmuls (fp32, bf16) and a {copy_bytes // 2**20} MiB copy at {threads} threads, "
+                     f"median torch.add dispatch; {llc_note}; {clock_note}"}
+
+
+def _host_key(threads: int) -> dict[str, Any]:
+    import torch
+
+    return {"version": _HOST_CACHE_VERSION, "cpu": _cpu_model(), "machine": platform.machine(),
+            "cores": host_cores(), "threads": threads, "torch": torch.__version__}
+
+
+def _host_cache_file(key: dict[str, Any]) -> Path:
+    from tessera.capture.models import default_cache_dir  # the project-wide cache root ($TESSERA_CACHE)
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return default_cache_dir() / "host" / f"{key['cores']}c-{key['threads']}t-{digest}.json"
+
+
+def _read_cached(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
+    """The cached measurement at `path` if it is for `key` and complete; None otherwise (measure again)."""
+    positive = ("memory_bytes", "memory_bandwidth", "boost_clock_hz", "l2_bytes", "launch_latency_s")
+    try:
+        data = json.loads(path.read_text())
+        ok = (data.get("key") == key and all(data[f] > 0 for f in positive)
+              and all(isinstance(data[f], str) for f in ("name", "arch", "measured_on", "notes"))
+              and set(data["flops"]) == {"fp32", "bf16"} and all(v > 0 for v in data["flops"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return data if ok else None
+
+
+def _write_atomic(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def host_spec(threads: int | None = None) -> DeviceSpec:
+    """This host's CPU as a device, figures measured with `threads` threads (default: all physical cores).
+
+    The first call for a (CPU model, cores, threads, torch version) measures fp32 and bf16 matmul FLOP/s,
+    copy bandwidth and op dispatch latency (about a second) and caches them as JSON under
+    ``default_cache_dir()/host/``; later calls read the cache. `pcie_bandwidth` is half the copy bandwidth
+    (moving n bytes between local workers is a copy: n read plus n written); there is no NVLink.
+
+    Raises:
+        ValueError: `threads` is not a whole number >= 1.
+    """
+    cores = host_cores()
+    threads = cores if threads is None else threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a whole number >= 1, got {threads!r}")
+    key = _host_key(threads)
+    path = _host_cache_file(key)
+    data = _read_cached(path, key)
+    if data is None:
+        data = {"key": key, **_measure_host(threads)}
+        _write_atomic(path, data)
+    row = _default_catalog().host
+    return DeviceSpec(id=HOST_ID, name=data["name"], vendor=row.vendor, arch=data["arch"],
+                      memory_bytes=int(data["memory_bytes"]), memory_bandwidth=float(data["memory_bandwidth"]),
+                      flops={k: float(v) for k, v in data["flops"].items()}, sm_count=cores,
+                      boost_clock_hz=float(data["boost_clock_hz"]), l2_bytes=int(data["l2_bytes"]),
+                      launch_latency_s=float(data["launch_latency_s"]), nvlink_bandwidth=None,
+                      pcie_bandwidth=float(data["memory_bandwidth"]) / 2, prices=dict(row.prices),
+                      aliases=row.aliases, source=f"{row.source}; measured {data['measured_on']}: {data['notes']}",
+                      as_of=data["measured_on"], measured=True, threads=threads)
