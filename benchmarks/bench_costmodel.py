@@ -27,7 +27,7 @@ from rich.table import Table
 from tessera.cost.cpu_calibration import fit_host, relative_errors, samples
 from tessera.cost.efficiency import host_factors_file, save_factors
 from tessera.cost.profiler import profile_model
-from tessera.hardware.catalog import host_spec
+from tessera.hardware.host import host_spec
 
 FIT = [("smollm2-135m", "decode", dict(batch=1, ctx=256)), ("smollm2-135m", "decode", dict(batch=4, ctx=512)),
        ("smollm2-135m", "prefill", dict(batch=1, seq=64, ctx=256)),
@@ -48,7 +48,8 @@ def held_out_other(folder: Path) -> list[tuple[str, str, dict]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                    help="threads per worker (default: those of one cpu:2 worker)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()

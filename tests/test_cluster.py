@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tessera.hardware.catalog import host_cores
 from tessera.hardware.cluster import ClusterSpecError, Link, load_cluster_yaml, parse_cluster
+from tessera.hardware.host import host_cores
 
 
 @pytest.fixture(autouse=True)

@@ -14,11 +14,10 @@ from tessera.hardware.catalog import (
     DeviceCatalogError,
     UnknownDeviceError,
     device_ids,
-    host_cores,
-    host_spec,
     load_devices,
     resolve_device,
 )
+from tessera.hardware.host import host_cores, host_spec
 
 CONTRACT_IDS = ["A100", "A100-PCIE", "A100-40G", "H100", "H100-PCIE", "H200", "H20", "B200", "L40S", "L40", "L4",
                 "A10", "A40", "A6000", "RTX4090", "RTXPRO6000", "V100", "MI300X", "cpu"]

@@ -5,7 +5,6 @@ from tessera.hardware.catalog import (
     DeviceSpec,
     UnknownDeviceError,
     device_ids,
-    host_spec,
     load_devices,
     resolve_device,
 )
@@ -17,6 +16,7 @@ from tessera.hardware.cluster import (
     load_cluster_yaml,
     parse_cluster,
 )
+from tessera.hardware.host import host_spec
 
 __all__ = [
     "Cluster",

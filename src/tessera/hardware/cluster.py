@@ -20,10 +20,9 @@ from tessera.hardware.catalog import (
     DeviceSpec,
     UnknownDeviceError,
     canonical_id,
-    host_cores,
-    host_spec,
     resolve_device,
 )
+from tessera.hardware.host import host_cores, host_spec
 
 LINK_KINDS = ("nvlink", "pcie", "ib", "ethernet", "loopback")
 LINK_NAMES = {"nvlink": "NVLink", "pcie": "PCIe", "ib": "IB", "ethernet": "Ethernet", "loopback": "loopback"}

@@ -1,0 +1,1 @@
+"""Reports drawn from Tessera's results: plots (PNG, matplotlib's Agg backend, no display needed)."""
