@@ -24,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from tessera.cost.cpu_calibration import fit_host, relative_errors, samples
+from tessera.cost.cpu_calibration import fit_host, relative_errors, samples, timing_spread
 from tessera.cost.efficiency import host_factors_file, save_factors
 from tessera.cost.profiler import profile_model
 from tessera.hardware.host import host_spec
@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    out = Console(highlight=False)
+    out = Console(highlight=False, width=120)
     device = host_spec(args.threads)
     out.print(f"host: {device.name}, {device.threads} threads; measured fp32 {device.flops['fp32'] / 1e9:.0f} "
               f"GFLOP/s, bf16 {device.flops.get('bf16', 0) / 1e9:.0f} GFLOP/s, bandwidth "
@@ -81,16 +81,20 @@ def main() -> None:
     fit_err = relative_errors(fit_rows, device, factors)
     held_err = relative_errors(held_rows, device, factors)
     table = Table(title=f"CPU cost model: median |predicted/measured - 1| per kernel ({device.threads} threads)")
-    for col in ("class", "fit kernels", "fit error", "held-out kernels", "held-out error", "overhead", "compute eff",
-                "memory eff"):
+    spread = timing_spread(held_rows)
+    for col in ("class", "fit kernels", "fit error", "held-out kernels", "held-out error", "noise floor", "overhead",
+                "compute eff", "memory eff"):
         table.add_column(col, justify="left" if col == "class" else "right")
     for cls in sorted(held_err, key=lambda c: (c == "overall", c)):
         e = factors.classes.get(cls)
         table.add_row(cls, str(len(fit_err.get(cls, []))), f"{statistics.median(fit_err[cls]):.1%}" if cls in fit_err
                       else "-", str(len(held_err[cls])), f"{statistics.median(held_err[cls]):.1%}",
+                      f"{statistics.median(spread[cls]):.1%}" if spread.get(cls) else "-",
                       f"{e.overhead_s * 1e6:.1f} us" if e and e.overhead_s else "-",
                       f"{e.compute:.3f}" if e else "-", f"{e.memory:.3f}" if e else "-")
     out.print(table)
+    out.print("noise floor: median |t/median - 1| of identical kernels (same signature) timed separately within one "
+              "held-out step, e.g. the same op in different layers")
     from tessera.cost.roofline import kernel_time
 
     for label, rows in held_steps:

@@ -147,18 +147,17 @@ def test_shipped_gpu_factors_are_fitted_data_with_provenance():
 
 
 def test_gpu_calibration_reproduces_the_shipped_factors():
-    from tessera.cost.gpu_calibration import REFERENCE, TARGET, fit_class, load_pairs, split
+    from tessera.cost.efficiency import GPU_FACTORS_FILE
+    from tessera.cost.gpu_calibration import calibrate_gpus, factors_document, load_pairs, split
 
     rows, bad = load_pairs()
     assert len(rows) + len(bad) == 92 and bad  # mismatched positions are excluded, not fitted
     fit_rows, held = split(rows)
-    assert not set(map(id, fit_rows)) & set(map(id, held))
-    ref, tgt = resolve_device(REFERENCE), resolve_device(TARGET)
-    gemm_rows = [k for k in fit_rows if k.cost_class == "gemm"]
-    f = fit_class(gemm_rows, ref, tgt, prior_efficiency(ref).classes["gemm"], prior_efficiency(tgt).classes["gemm"])
-    shipped = efficiency_for(tgt).classes["gemm"]
-    assert (f.target_compute, f.target_memory, f.floor_cycles) == pytest.approx(
-        (shipped.compute, shipped.memory, shipped.floor_cycles))
+    assert not set(map(id, fit_rows)) & set(map(id, held)) and len(held) >= len(rows) // 4
+    shipped = json.loads(GPU_FACTORS_FILE.read_text())
+    refit = json.loads(json.dumps(factors_document(calibrate_gpus())))
+    assert refit["devices"] == shipped["devices"]  # the shipped data is what the code fits
+    assert refit["provenance"]["held_out_error"] == shipped["provenance"]["held_out_error"]
 
 
 def test_classify_measured_kernel_names():

@@ -22,8 +22,10 @@ err = Console(stderr=True, soft_wrap=True)  # errors are never wrapped: paths st
 def _mount_subcommands() -> None:
     from tessera.capture.ptx.cli import ptx_app
     from tessera.cost.cli import register as register_cost
+    from tessera.hardware.cli import register as register_hardware
 
     app.add_typer(ptx_app, name="ptx", help="Analyse and instrument PTX of opaque kernels.")
+    register_hardware(app)
     register_cost(app)
 
 

@@ -31,6 +31,7 @@ class Sample:
     features: KernelFeatures
     measured_s: float
     source: str  # "model phase shape"
+    signature: str = ""  # kernel_signature: equal for identical kernels (e.g. the same op in every layer)
 
 
 def samples(graph: KernelGraph, profile: Profile) -> list[Sample]:
@@ -45,7 +46,7 @@ def samples(graph: KernelGraph, profile: Profile) -> list[Sample]:
     if missing:
         raise CalibrationError(f"{len(missing)} profiled kernels of {profile.model} {profile.phase} are not in the "
                                f"traced graph (e.g. {missing[0]}): profile and graph must be the same step")
-    return [Sample(ex.features(by_sig[t.signature]), t.median_s, label) for t in profile.kernels]
+    return [Sample(ex.features(by_sig[t.signature]), t.median_s, label, t.signature) for t in profile.kernels]
 
 
 def _unit_times(rows: list[Sample], device: DeviceSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -108,4 +109,20 @@ def relative_errors(samples_: list[Sample], device: DeviceSpec, eff: DeviceEffic
         e = abs(pred / s.measured_s - 1)
         out.setdefault(s.features.cost_class, []).append(e)
         out["overall"].append(e)
+    return out
+
+
+def timing_spread(samples_: list[Sample]) -> dict[str, list[float]]:
+    """|t / median - 1| of identical kernels timed separately within one step (e.g. the same op in every
+    layer), per class and overall: the noise floor no model of shapes alone can beat."""
+    groups: dict[tuple[str, str], list[Sample]] = {}
+    for s in samples_:
+        groups.setdefault((s.source, s.signature), []).append(s)
+    out: dict[str, list[float]] = {"overall": []}
+    for rows in groups.values():
+        if len(rows) >= 3:
+            med = float(np.median([r.measured_s for r in rows]))
+            for r in rows:
+                out.setdefault(r.features.cost_class, []).append(abs(r.measured_s / med - 1))
+                out["overall"].append(abs(r.measured_s / med - 1))
     return out
