@@ -40,7 +40,9 @@ OTHER_CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", voca
                     torch_dtype="bfloat16", hidden_act="silu")
 
 
-def held_out_other(folder: Path) -> list[tuple[str, str, dict]]:
+def held_out_other(tmp: Path) -> list[tuple[str, str, dict]]:
+    folder = tmp / "llama-h384-l8"
+    folder.mkdir()
     (folder / "config.json").write_text(json.dumps(OTHER_CONFIG))
     return [(str(folder), "decode", dict(batch=2, ctx=384)), (str(folder), "decode", dict(batch=16, ctx=768)),
             (str(folder), "prefill", dict(batch=1, seq=96, ctx=256))]
