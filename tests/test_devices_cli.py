@@ -40,3 +40,14 @@ def test_cluster_errors_exit_2():
     assert r.exit_code == 2 and "'A100:x'" in r.stderr and "TYPE:COUNT" in r.stderr
     r = runner.invoke(app, ["devices", "--cluster", "A10O:2"])
     assert r.exit_code == 2 and "did you mean" in r.stderr
+
+
+def test_example_cluster_file():
+    from pathlib import Path
+
+    example = Path(__file__).parents[1] / "examples" / "clusters" / "h100_rtxpro6000.yaml"
+    r = runner.invoke(app, ["devices", "--cluster", str(example), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert len(d["devices"]) == 8 and d["network"]["kind"] == "ib"
+    assert [n["link"]["kind"] for n in d["nodes"]] == ["nvlink", "pcie"]

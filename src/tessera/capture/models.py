@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tessera.errors import ConfigError, TesseraError, UnknownModelError
+from tessera.paths import default_cache_dir  # noqa: F401  (re-exported: capture's callers use it)
 
 if TYPE_CHECKING:  # transformers takes seconds to import; the functions below import it when called
     from transformers import PretrainedConfig
@@ -645,12 +645,6 @@ def _tiny_diffusion(dtype: str) -> dict[str, dict[str, Any]]:
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_FOLDER = "smollm2-135m"
 _SMOLLM2_FILES = ("config.json", "model.safetensors", "tokenizer.json")
-
-
-def default_cache_dir() -> Path:
-    """Tessera's cache folder: ``$TESSERA_CACHE``, else ``~/.cache/tessera``."""
-    env = os.environ.get("TESSERA_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tessera"
 
 
 def smollm2_dir(cache_dir: Path | None = None) -> Path:

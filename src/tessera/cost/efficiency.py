@@ -95,7 +95,7 @@ def gpu_factors_provenance() -> dict:
 
 def host_factors_file() -> Path:
     """Where `tessera calibrate` keeps this host's fitted CPU factors."""
-    from tessera.capture.models import default_cache_dir
+    from tessera.paths import default_cache_dir
 
     return default_cache_dir() / "host" / "cpu_factors.json"
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.hardware.catalog import HOST_ID, DeviceSpec, host_row
+from tessera.paths import default_cache_dir
 
 _HOST_CACHE_VERSION = 2  # 2: matmuls in the x @ W.T layout
 _FALLBACK_LLC = 32 * 2**20
@@ -156,8 +157,6 @@ def _host_key(threads: int) -> dict[str, Any]:
 
 
 def _host_cache_file(key: dict[str, Any]) -> Path:
-    from tessera.capture.models import default_cache_dir  # the project-wide cache root ($TESSERA_CACHE)
-
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return default_cache_dir() / "host" / f"{key['cores']}c-{key['threads']}t-{digest}.json"
 
