@@ -193,3 +193,40 @@ def test_estimate_cli_table_and_errors():
     assert r.exit_code == 2 and "--weights-dtype" in r.stderr
     r = runner.invoke(app, ["estimate", "smollm2-135m", "--device", "A100", "--profile", "/nonexistent.json"])
     assert r.exit_code == 2 and "nonexistent.json" in r.stderr
+
+
+def test_calibrate_fits_host_factors_that_estimate_uses(tmp_path, monkeypatch):
+    from tessera.capture.models import tiny_config
+    from tessera.cost.efficiency import host_factors_file, load_factors
+
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "tiny-llm"
+    tiny_config("llm").save_pretrained(model)
+    profiles = []
+    for phase, shape in (("prefill", ["--seq", "16", "--ctx", "32"]), ("decode", ["--batch", "4", "--ctx", "32"])):
+        out = tmp_path / f"{phase}.json"
+        r = runner.invoke(app, ["profile", str(model), "--phase", phase, *shape, "--device", "cpu", "--threads", "1",
+                                "--warmup", "1", "--repeats", "3", "-o", str(out)])
+        assert r.exit_code == 0, r.output
+        profiles.append(str(out))
+    r = runner.invoke(app, ["calibrate", *profiles])
+    assert r.exit_code == 0, r.output
+    factors = load_factors(host_factors_file())
+    assert {"elementwise", "gemm"} & set(factors.fitted) and "fitted on" in factors.source
+    assert all(factors.classes[c].overhead_s > 0 for c in factors.fitted)
+    r = runner.invoke(app, ["estimate", str(model), "--device", "cpu", "--phase", "decode", "--batch", "4", "--ctx",
+                            "32", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["factors"].startswith("fitted on") and d["step_time_s"] > 0
+    r = runner.invoke(app, ["estimate", str(model), "--device", "cpu", "--phase", "decode", "--batch", "4", "--ctx",
+                            "32", "--profile", profiles[1], "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["measured_kernels"] == json.loads(r.stdout)["kernels"]
+
+
+def test_calibrate_refuses_gpu_profiles(tmp_path):
+    prof = Profile(device="A100", device_name="x", threads=None, model="smollm2-135m", phase="decode",
+                   graph_hash="x", shape={}, warmup=0, repeats=1, created="now", kernels=[])
+    prof.save(tmp_path / "gpu.json")
+    r = runner.invoke(app, ["calibrate", str(tmp_path / "gpu.json")])
+    assert r.exit_code == 2 and "measured on A100" in r.stderr

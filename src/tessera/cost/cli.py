@@ -90,6 +90,10 @@ def estimate(
     _out.print(f"factors: {cm.efficiency.source}")
 
 
+def _wxh(size: list[int] | None) -> str | None:
+    return f"{size[0]}x{size[1]}" if size else None
+
+
 def calibrate(
     profiles: list[Path] = typer.Argument(..., help="Profiles measured on this host (`tessera profile --device cpu`)."),
     output: Path = typer.Option(None, "--output", "-o", help="Where to write the factors (default: this host's "
@@ -100,22 +104,26 @@ def calibrate(
     from tessera.cost.cpu_calibration import fit_host, relative_errors, samples
     from tessera.cost.efficiency import host_factors_file, save_factors
     from tessera.cost.profile import Profile
-    from tessera.hardware.catalog import resolve_device
+    from tessera.hardware.host import host_spec
 
     try:
         rows = []
-        threads = None
+        threads: set[int | None] = set()
         for p in profiles:
             prof = Profile.load(p)
             if prof.device != "cpu":
                 raise TesseraError(f"{p}: measured on {prof.device}; calibrate fits the CPU from CPU profiles")
-            threads = threads or prof.threads
+            threads.add(prof.threads)
+            if len(threads) > 1:
+                raise TesseraError(f"{p}: measured with {prof.threads} threads, the others with "
+                                   f"{sorted(t for t in threads if t != prof.threads)}: fit one thread count at a time")
             sh = prof.shape
             with _err.status(f"retracing {prof.model} {prof.phase} for {p.name}..."):
                 graph = trace_model(prof.model, prof.phase, batch=sh.get("batch"), seq=sh.get("seq"),
-                                    ctx=sh.get("ctx"), device="meta")
+                                    ctx=sh.get("ctx"), image=_wxh(sh.get("image")),
+                                    resolution=_wxh(sh.get("resolution")))
             rows += samples(graph, prof)
-        device = resolve_device(f"cpu:{max(1, (__import__('os').cpu_count() or 1) // threads)}" if threads else "cpu")
+        device = host_spec(threads.pop())
         factors = fit_host(rows, device)
         target = output or host_factors_file()
         save_factors(factors, target)

@@ -32,7 +32,8 @@ def _layout(ref: list) -> list:
     """An encoded TensorRef without its buffer name: dtype, sizes, strides and start alignment."""
     _, dtype, offset, sizes, strides = ref
     align = (int(offset) * dtype_from_name(dtype).itemsize) % _ALIGN_BYTES
-    return [dtype, list(sizes), list(strides), align]
+    # the stride of a size-1 dimension is never followed (and differs between meta and device traces)
+    return [dtype, list(sizes), [0 if n == 1 else st for n, st in zip(sizes, strides, strict=True)], align]
 
 
 def _timing_view(value: Any) -> Any:

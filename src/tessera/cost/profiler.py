@@ -237,6 +237,7 @@ def profile_model(model: str, phase: str, *, batch: int | None = None, seq: int 
     smollm2-135m and local directories with safetensors run their real weights; other catalog models
     are built with random weights (models too large for the host are refused).
     """
+    from tessera.capture.models import resolve_model
     from tessera.capture.trace import trace
     from tessera.weights import unique_state
 
@@ -249,4 +250,7 @@ def profile_model(model: str, phase: str, *, batch: int | None = None, seq: int 
     weights, _ = unique_state(step.modules)
     profile = profile_graph(graph, weights, step.inputs, step.state, device=device, threads=threads,
                             warmup=warmup, repeats=repeats, progress=progress)
+    spec = resolve_model(model)
+    if spec.local:  # a local directory is named by its path, so the profile's model can be traced again
+        profile.model = str(spec.config_dir.resolve())
     return profile, graph
