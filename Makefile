@@ -9,6 +9,8 @@ LINT_PATHS := $(wildcard src tests benchmarks tools)
 
 demo: $(STAMP)
 	$(BIN)/tessera trace llama-3.1-8b --phase decode --batch 64 --ctx 2048
+	$(BIN)/tessera estimate llama-3.1-8b --device A100 --phase decode --batch 64 --ctx 2048
+	$(BIN)/tessera census llama-3.1-8b --devices A100,L40S --phase decode --batch 64 --ctx 2048 --no-plot
 
 test: lint
 	$(BIN)/python -m pytest -q

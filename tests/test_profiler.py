@@ -205,7 +205,9 @@ def test_profile_format_errors_say_what_and_where(smollm2_profile, tmp_path):
 
 
 def test_device_strings_and_threads():
-    cores = os.cpu_count() or 1
+    from tessera.hardware.host import host_cores
+
+    cores = host_cores()  # physical cores, as `cpu:N` devices and clusters count them
     assert resolve_target("cpu").threads == cores
     assert resolve_target("cpu:4").threads == max(1, cores // 4)
     assert resolve_target("CPU:2", threads=3).threads == 3

@@ -9,7 +9,6 @@ so the kernels after them still see the step's values.
 
 from __future__ import annotations
 
-import os
 import platform
 import re
 import statistics
@@ -84,7 +83,9 @@ def resolve_target(device: str, threads: int | None = None) -> ProfileTarget:
         raise ProfileError(f"--threads must be at least 1 (got {threads})")
     kind, number = m.group(1), m.group(2)
     if kind == "cpu":
-        cores = os.cpu_count() or 1
+        from tessera.hardware.host import host_cores
+
+        cores = host_cores()  # the same count `cpu:N` devices and clusters split
         workers = 1 if number is None else int(number)
         if workers < 1:
             raise ProfileError(f"--device {device}: the number of CPU workers must be at least 1")
