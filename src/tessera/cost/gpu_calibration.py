@@ -105,15 +105,18 @@ def load_points(path: Path = POINTS_FILE) -> tuple[list[MeasuredKernel], list[Me
     return [k for k in kernels if _usable(k)], [k for k in kernels if not _usable(k)]
 
 
-def split(kernels: list[MeasuredKernel], every: int = 3) -> tuple[list[MeasuredKernel], list[MeasuredKernel]]:
-    """Deterministic (fit, held-out) split: within each class by reference time, every ``every``-th held out."""
+def split(kernels: list[MeasuredKernel], every: int = 3, fold: int | None = None
+          ) -> tuple[list[MeasuredKernel], list[MeasuredKernel]]:
+    """Deterministic (fit, held-out) split: within each class by reference time, every ``every``-th kernel
+    (from position ``fold``, default the last of each group of ``every``) is held out."""
+    fold = every - 1 if fold is None else fold
     fit, held = [], []
     by_class: dict[str, list[MeasuredKernel]] = {}
     for k in kernels:
         by_class.setdefault(k.cost_class, []).append(k)
     for rows in by_class.values():
         for i, k in enumerate(sorted(rows, key=lambda k: (k.reference_s, k.name, k.phase))):
-            (held if i % every == every - 1 else fit).append(k)
+            (held if i % every == fold else fit).append(k)
     return fit, held
 
 
@@ -238,15 +241,15 @@ def _cross_validate(rows: list[MeasuredKernel], ref: DeviceSpec, tgt: DeviceSpec
 
 
 def calibrate_gpus(kernels: list[MeasuredKernel] | None = None, excluded: int | None = None,
-                   progress=None) -> GpuCalibration:
+                   progress=None, fold: int | None = None) -> GpuCalibration:
     """Fit on two thirds of the measured positions (a class's fit is kept only if its leave-one-out error
-    beats the priors'), and predict the held-out third with both."""
+    beats the priors'), and predict the held-out third (``fold`` of :func:`split`) with both."""
     if kernels is None:
         kernels, bad = load_pairs()
         excluded = len(bad)
     ref, tgt = resolve_device(REFERENCE), resolve_device(TARGET)
     ref_prior, tgt_prior = prior_efficiency(ref), prior_efficiency(tgt)
-    fit_rows, held = split(kernels)
+    fit_rows, held = split(kernels, fold=fold)
     fits: dict[str, ClassFit] = {}
     for cls in sorted({k.cost_class for k in fit_rows}):
         rows = [k for k in fit_rows if k.cost_class == cls]
@@ -275,6 +278,14 @@ def calibrate_gpus(kernels: list[MeasuredKernel] | None = None, excluded: int | 
     return GpuCalibration(ref_fit, tgt_fit, fits, held_pred, excluded or 0, lm_head_anchor(kernels, ref))
 
 
+def cross_validated(kernels: list[MeasuredKernel], folds: int = 3) -> list[tuple[MeasuredKernel, float, float]]:
+    """Every kernel predicted by factors fitted without it: the held-out thirds of ``folds`` splits."""
+    out = []
+    for fold in range(folds):
+        out += calibrate_gpus(kernels, fold=fold).held_out
+    return out
+
+
 def error_table(rows: list[tuple[MeasuredKernel, float, float]]) -> dict[str, dict[str, float]]:
     """Median absolute relative error of calibrated and prior predictions, per class and overall."""
     out: dict[str, dict[str, float]] = {}
@@ -291,9 +302,9 @@ def error_table(rows: list[tuple[MeasuredKernel, float, float]]) -> dict[str, di
     return out
 
 
-def factors_document(cal: GpuCalibration) -> dict:
+def factors_document(cal: GpuCalibration, cv: list[tuple[MeasuredKernel, float, float]] | None = None) -> dict:
     """The JSON kept as data (cost/data/gpu_factors.json): fitted factors with provenance and errors."""
-    return {
+    doc = {
         "provenance": {
             "data": "src/tessera/cost/data/calibration/gptoss20b_a100_l40s_kernel_pairs.tsv (FluidGPU artifact "
                     "cdccfb2, MIT; GPT-oss-20B on vLLM 0.18, A100-80G PCIe and L40S, Nsight Systems)",
@@ -306,3 +317,6 @@ def factors_document(cal: GpuCalibration) -> dict:
         },
         "devices": {cal.reference.device: cal.reference.to_dict(), cal.target.device: cal.target.to_dict()},
     }
+    if cv is not None:
+        doc["provenance"]["cross_validated_error"] = error_table(cv)
+    return doc
