@@ -230,3 +230,26 @@ def test_calibrate_refuses_gpu_profiles(tmp_path):
     prof.save(tmp_path / "gpu.json")
     r = runner.invoke(app, ["calibrate", str(tmp_path / "gpu.json")])
     assert r.exit_code == 2 and "measured on A100" in r.stderr
+
+
+def test_memory_footprint_follows_the_dtype_options(decode_graph):
+    from tessera.cost.model import memory_footprint
+
+    base = memory_footprint(decode_graph)
+    small = memory_footprint(decode_graph, CostOptions(weights_dtype="fp8", kv_dtype="fp8"))
+    matrices = sum(b.nbytes for b in decode_graph.buffers.values() if b.kind == "weight" and len(b.shape) >= 2)
+    assert base.weight_bytes - small.weight_bytes == pytest.approx(matrices / 2)
+    assert small.state_bytes == pytest.approx(base.state_bytes / 2)  # all of smollm2's state is KV cache
+
+
+def test_estimate_warns_when_the_step_does_not_fit_one_device():
+    args = ["estimate", "llama-3.1-8b", "--device", "L4", "--batch", "64", "--ctx", "8192"]
+    r = runner.invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    mem = json.loads(r.stdout)["memory"]
+    assert not mem["fits"] and mem["weight_bytes"] + mem["state_bytes"] > mem["device_bytes"] == 24e9
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "cannot run on a single device" in r.stderr
+    r = runner.invoke(app, ["estimate", "llama-3.1-8b", "--device", "L4", "--batch", "64", "--ctx", "8192",
+                            "--weights-dtype", "fp8", "--kv-dtype", "fp8", "--json"])
+    assert not json.loads(r.stdout)["memory"]["fits"]  # 8 GB of weights + 34 GB of KV still exceed 24 GB

@@ -48,7 +48,7 @@ def estimate(
 ) -> None:
     """Predict one step's time on one device, with its breakdown by op class and block."""
     from tessera.capture.api import trace_model
-    from tessera.cost.model import CostModel
+    from tessera.cost.model import CostModel, memory_footprint
     from tessera.cost.options import CostOptions
     from tessera.cost.profile import Profile
     from tessera.graph.summary import summarize
@@ -65,12 +65,15 @@ def estimate(
     except TesseraError as e:
         _fail(e)
     shape = summarize(graph)["shape"]
+    mem = memory_footprint(graph, options)
     result = {"model": graph.model, "phase": graph.phase, "shape": shape, "device": spec.id,
               "options": {"weights_dtype": weights_dtype, "kv_dtype": kv_dtype, "cuda_graphs": not eager},
               "predicted": est.measured < len(est.kernels), "measured_kernels": est.measured,
               "kernels": len(est.kernels), "step_time_s": est.step_time_s,
               "by_class": est.by("cost_class", graph), "by_block": est.by("block", graph),
               "bound": {b: sum(c.bound == b for c in est.kernels) for b in ("compute", "memory", "latency", "measured")},
+              "memory": {"weight_bytes": mem.weight_bytes, "state_bytes": mem.state_bytes,
+                         "device_bytes": spec.memory_bytes, "fits": mem.total_bytes <= spec.memory_bytes},
               "factors": cm.efficiency.source}
     if as_json:
         print(json.dumps(result, indent=2))
@@ -88,6 +91,10 @@ def estimate(
     bounds = ", ".join(f"{n} {b}" for b, n in result["bound"].items() if n)
     _out.print(f"step_time {_seconds(est.step_time_s)} ({label}); by block: {blocks}; kernels bound by: {bounds}")
     _out.print(f"factors: {cm.efficiency.source}")
+    if mem.total_bytes > spec.memory_bytes:
+        _err.print(f"[bold yellow]warning:[/] weights ({mem.weight_bytes / 1e9:.1f} GB) and state "
+                   f"({mem.state_bytes / 1e9:.1f} GB) exceed one {spec.id}'s {spec.memory_bytes / 1e9:.0f} GB: the step "
+                   "cannot run on a single device; the time assumes it could (a plan splits it across devices)")
 
 
 def _wxh(size: list[int] | None) -> str | None:

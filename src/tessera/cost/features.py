@@ -92,7 +92,8 @@ def _nbytes(a: Access) -> int:
     return math.prod(a.sizes) * a.itemsize
 
 
-def _is_kv(name: str) -> bool:
+def is_kv_buffer(name: str) -> bool:
+    """Whether a state buffer is a KV cache (``cache.layer{i}.k`` / ``.v``), which --kv-dtype rescales."""
     return name.startswith("cache.") and name.endswith((".k", ".v"))
 
 
@@ -111,7 +112,7 @@ class FeatureExtractor:
         by_kind = {"weight": 0.0, "kv": 0.0, "other": 0.0}
         for a in self._accesses[kernel.index]:
             buf = self.graph.buffers[a.buffer]
-            kind = "weight" if buf.kind == "weight" else "kv" if _is_kv(a.buffer) else "other"
+            kind = "weight" if buf.kind == "weight" else "kv" if is_kv_buffer(a.buffer) else "other"
             by_kind[kind] += _nbytes(a)
         touched = sum(by_kind.values())
         moved = kernel.bytes_read + kernel.bytes_written
@@ -128,7 +129,7 @@ class FeatureExtractor:
         weight_dtype = next((self.graph.buffers[a.buffer].dtype for a in self._accesses[kernel.index]
                              if self.graph.buffers[a.buffer].kind == "weight"), compute_dtype)
         kv_dtype = next((self.graph.buffers[a.buffer].dtype for a in self._accesses[kernel.index]
-                         if _is_kv(a.buffer)), compute_dtype)
+                         if is_kv_buffer(a.buffer)), compute_dtype)
         weight_scale = self.options.weight_scale(weight_dtype) if cls in ("gemm", "gemv", "grouped_gemm") else 1.0
         return KernelFeatures(index=kernel.index, cost_class=cls, block=block_of(kernel), flops=float(kernel.flops),
                               weight_bytes=by_kind["weight"] * weight_scale,

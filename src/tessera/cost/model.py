@@ -16,6 +16,31 @@ from tessera.graph.ir import KernelGraph
 from tessera.hardware.catalog import DeviceSpec
 
 
+@dataclass(frozen=True)
+class MemoryFootprint:
+    """What a step keeps resident on a device that runs all of it: weights and engine state."""
+
+    weight_bytes: float  # in the deployed weight dtype (matrices; vectors such as norms stay as traced)
+    state_bytes: float  # KV cache in the deployed KV dtype, plus other state (SSM) as traced
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weight_bytes + self.state_bytes
+
+
+def memory_footprint(graph: KernelGraph, options: CostOptions = CostOptions()) -> MemoryFootprint:
+    """Resident bytes of a step's weights and state under the deployment options."""
+    from tessera.cost.features import is_kv_buffer
+
+    weights = state = 0.0
+    for b in graph.buffers.values():
+        if b.kind == "weight":
+            weights += b.nbytes * (options.weight_scale(b.dtype) if len(b.shape) >= 2 else 1.0)
+        elif b.kind == "state":
+            state += b.nbytes * (options.kv_scale(b.dtype) if is_kv_buffer(b.name) else 1.0)
+    return MemoryFootprint(weights, state)
+
+
 class ProfileDeviceError(TesseraError):
     """A profile measured on one device was given for another."""
 
