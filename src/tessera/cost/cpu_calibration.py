@@ -11,7 +11,7 @@ from tessera.cost.efficiency import ClassEfficiency, DeviceEfficiency, prior_eff
 from tessera.cost.features import FeatureExtractor, KernelFeatures
 from tessera.cost.options import CostOptions
 from tessera.cost.profile import Profile
-from tessera.cost.roofline import L2_RESIDENT_FRACTION, compute_path, l2_bandwidth
+from tessera.cost.roofline import ideal_times
 from tessera.errors import TesseraError
 from tessera.graph.ir import KernelGraph
 from tessera.hardware.catalog import DeviceSpec
@@ -51,17 +51,8 @@ def samples(graph: KernelGraph, profile: Profile) -> list[Sample]:
 
 def _unit_times(rows: list[Sample], device: DeviceSpec) -> tuple[np.ndarray, np.ndarray]:
     """(compute seconds at full efficiency, memory seconds at full efficiency) per sample."""
-    cu, mu = [], []
-    for s in rows:
-        f = s.features
-        peak = device.peak_flops(compute_path(f, device, CostOptions())) or device.peak_flops("fp32")
-        cu.append(f.flops / peak)
-        dram = f.weight_bytes + f.kv_bytes
-        if f.other_bytes <= L2_RESIDENT_FRACTION * device.l2_bytes:
-            mu.append(dram / device.memory_bandwidth + f.other_bytes / l2_bandwidth(device))
-        else:
-            mu.append((dram + f.other_bytes) / device.memory_bandwidth)
-    return np.array(cu), np.array(mu)
+    times = np.array([ideal_times(s.features, device) for s in rows]).reshape(len(rows), 2)
+    return times[:, 0], times[:, 1]
 
 
 def fit_class(rows: list[Sample], device: DeviceSpec) -> ClassEfficiency:

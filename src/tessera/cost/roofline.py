@@ -64,20 +64,25 @@ def l2_bandwidth(device: DeviceSpec) -> float:
     return per_clock * device.sm_count * device.boost_clock_hz
 
 
+def ideal_times(f: KernelFeatures, device: DeviceSpec, options: CostOptions = CostOptions()) -> tuple[float, float]:
+    """(compute, memory) seconds of a kernel at full efficiency: FLOPs at its path's peak over the SMs'
+    useful share; weight and KV bytes at DRAM bandwidth, activations at L2 bandwidth when they fit."""
+    peak = device.peak_flops(compute_path(f, device, options)) or device.peak_flops("fp32")
+    compute = f.flops / peak / wave_utilisation(f, device) if f.flops > 0 else 0.0
+    dram = f.weight_bytes + f.kv_bytes
+    if f.other_bytes <= L2_RESIDENT_FRACTION * device.l2_bytes:
+        return compute, dram / device.memory_bandwidth + f.other_bytes / l2_bandwidth(device)
+    return compute, (dram + f.other_bytes) / device.memory_bandwidth
+
+
 def kernel_time(f: KernelFeatures, device: DeviceSpec, eff: ClassEfficiency,
                 options: CostOptions = CostOptions()) -> KernelCost:
     """Predicted time of one kernel: overhead + floor + max(compute, memory).
 
     The floor (a class's fixed cycles: ramp-up, one wave, tail) is paid by every kernel, so the shortest
     kernels run at the clock's pace; host overhead is the launch (CPU: dispatch) cost."""
-    peak = device.peak_flops(compute_path(f, device, options)) or device.peak_flops("fp32")
-    compute_s = f.flops / (peak * eff.compute) / wave_utilisation(f, device) if f.flops > 0 else 0.0
-    dram = f.weight_bytes + f.kv_bytes
-    resident = f.other_bytes <= L2_RESIDENT_FRACTION * device.l2_bytes
-    if resident:
-        memory_s = (dram / device.memory_bandwidth + f.other_bytes / l2_bandwidth(device)) / eff.memory
-    else:
-        memory_s = (dram + f.other_bytes) / (device.memory_bandwidth * eff.memory)
+    compute, memory = ideal_times(f, device, options)
+    compute_s, memory_s = compute / eff.compute, memory / eff.memory
     floor_s = eff.floor_cycles / device.boost_clock_hz
     if eff.overhead_s is not None:
         overhead = eff.overhead_s
