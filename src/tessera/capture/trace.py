@@ -8,7 +8,6 @@ with a stable name and every argument to a strided view of it, so accesses and e
 from __future__ import annotations
 
 import gc
-import re
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ from tessera.errors import TesseraError
 from tessera.graph.codec import dtype_name, encode
 from tessera.graph.deps import compute_edges
 from tessera.graph.ir import Access, Buffer, Kernel, KernelGraph, TensorRef
+from tessera.graph.layers import LAYER_RE
 from tessera.graph.opclass import flops_of, indexed_traffic, op_class
 from tessera.graph.values import pack_values
 
@@ -52,7 +52,6 @@ _DATA_DEPENDENT = {
 }
 _ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
                 aten.new_empty.default, aten.new_empty_strided.default}
-_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|blocks|transformer_blocks|single_transformer_blocks|h|block)\.(\d+)(?:\.|$)")
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -89,7 +88,7 @@ def _storage_key(t: torch.Tensor) -> int:
 
 def layer_of(scope: str) -> int | None:
     """Layer index of a module scope such as ``model.layers.3.mlp`` (None outside numbered layers)."""
-    m = _LAYER_RE.search(scope)
+    m = LAYER_RE.search(scope)
     return int(m.group(1)) if m else None
 
 
