@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from tessera.cost.options import CostOptions
+from tessera.cost.routing import RoutingDistribution
 from tessera.graph.ir import Access, Kernel, KernelGraph
 from tessera.graph.opclass import op_base_name
 
@@ -124,7 +125,7 @@ class FeatureExtractor:
         if cls == "grouped_gemm" and dims is not None and len(kernel.shapes) > 1 and kernel.shapes[1]:
             experts = kernel.shapes[1][0]
             rows = dims[1]  # token-expert assignments: each expert with at least one is read once
-            by_kind["weight"] *= 1.0 - (1.0 - 1.0 / experts) ** rows
+            by_kind["weight"] *= RoutingDistribution(experts).expected_active(rows) / experts
         compute_dtype = next((d for d in kernel.dtypes if d.startswith(("bfloat", "float"))), "float32")
         weight_dtype = next((self.graph.buffers[a.buffer].dtype for a in self._accesses[kernel.index]
                              if self.graph.buffers[a.buffer].kind == "weight"), compute_dtype)
