@@ -79,3 +79,18 @@ def test_infeasible_and_bad_problems():
                          np.zeros((2, 2)))
     with pytest.raises(PlacementProblemError, match="2x2"):
         PlacementProblem(["a", "b"], times, [], np.ones((3, 3)), np.zeros((2, 2)))
+
+
+@pytest.mark.parametrize("objective", ["throughput", "latency"])
+def test_a_start_assignment_is_never_lost(objective):
+    from tessera.plan.enumerate import critical_paths, cycle_times
+
+    p = random_problem(7, 40, 4)
+    start = tuple([int(np.argmin(p.times.sum(axis=0)))] * p.kernels)
+    evaluate = cycle_times if objective == "throughput" else critical_paths
+    value = float(evaluate(p, np.array([start]))[0])
+    r = solve_placement(p, objective, time_limit_s=0.05, start=start)
+    assert r.value <= value * (1 + 1e-6)
+    assert float(evaluate(p, np.array([r.assignment]))[0]) == pytest.approx(r.value, rel=1e-6)
+    with pytest.raises(PlacementProblemError, match="start assignment"):
+        solve_placement(p, objective, start=(0,))

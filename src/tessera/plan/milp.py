@@ -55,13 +55,48 @@ def _new_highs(gap: float, time_limit_s: float) -> highspy.Highs:
     return h
 
 
+def _set_start(h, problem: PlacementProblem, objective: str, start: tuple[int, ...], x, cut, target,
+               start_vars) -> None:
+    """Give HiGHS a complete feasible solution for the assignment ``start`` (every column set)."""
+    from tessera.plan.enumerate import critical_paths, cycle_times
+
+    k = problem.kernels
+    if len(start) != k:
+        raise PlacementProblemError(f"the start assignment has {len(start)} entries for {k} kernels")
+    a = np.array([start])
+    values: dict[int, float] = {}
+    for i in range(k):
+        for d, var in enumerate(x[i]):
+            values[var.index] = 1.0 if d == start[i] else 0.0
+    for n, (src, dst, _) in enumerate(problem.edges):
+        for (d, e), z in cut[n].items():
+            values[z.index] = 1.0 if (start[src], start[dst]) == (d, e) else 0.0
+    if objective == "throughput":
+        values[target.index] = _us(float(cycle_times(problem, a)[0])) * (1 + 1e-9)
+    else:
+        t = problem.times[np.arange(k), list(start)]
+        begin = np.zeros(k)
+        for src, dst, nbytes in sorted(problem.edges, key=lambda e: e[1]):
+            begin[dst] = max(begin[dst], begin[src] + t[src] + problem.transfer_time(nbytes, start[src], start[dst]))
+        for i, var in enumerate(start_vars):
+            values[var.index] = _us(float(begin[i]))
+        values[target.index] = _us(float(critical_paths(problem, a)[0])) * (1 + 1e-9)
+    solution = highspy.HighsSolution()
+    solution.col_value = [values.get(c, 0.0) for c in range(h.getNumCol())]
+    solution.value_valid = True
+    h.setSolution(solution)
+
+
 def _us(seconds: float) -> float:
     return seconds / UNIT_S
 
 
 def solve_placement(problem: PlacementProblem, objective: str = "throughput", *, gap: float = DEFAULT_GAP,
-                    time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Placement:
-    """The placement minimising ``objective`` (throughput: cycle time; latency: critical path)."""
+                    time_limit_s: float = DEFAULT_TIME_LIMIT_S, start: tuple[int, ...] | None = None) -> Placement:
+    """The placement minimising ``objective`` (throughput: cycle time; latency: critical path).
+
+    ``start`` is a known assignment to begin from (e.g. every kernel on its best single device): the
+    solver then always has that placement to return, and prunes with it."""
     if objective not in OBJECTIVES:
         raise PlacementProblemError(f"objective must be one of {', '.join(OBJECTIVES)} (got {objective!r})")
     k, nd = problem.times.shape
@@ -101,14 +136,17 @@ def solve_placement(problem: PlacementProblem, objective: str = "throughput", *,
                     h.addConstr(target - sum(load) >= 0)
     else:
         target = h.addVariable(lb=0)
-        start = [h.addVariable(lb=0) for _ in range(k)]
+        start_vars = [h.addVariable(lb=0) for _ in range(k)]
         for n, (src, dst, nbytes) in enumerate(problem.edges):
             transfer = sum(_us(problem.transfer_time(nbytes, d, e)) * z for (d, e), z in cut[n].items()
                            if _us(problem.transfer_time(nbytes, d, e)) > _NEGLIGIBLE)
-            h.addConstr(start[dst] - start[src] - time_of[src] - transfer >= 0)
+            h.addConstr(start_vars[dst] - start_vars[src] - time_of[src] - transfer >= 0)
         for i in range(k):
-            h.addConstr(target - start[i] - time_of[i] >= 0)
-    h.minimize(target)
+            h.addConstr(target - start_vars[i] - time_of[i] >= 0)
+    h.changeColCost(target.index, 1.0)  # minimise the target (set before the start: changing costs drops it)
+    if start is not None:
+        _set_start(h, problem, objective, start, x, cut, target, None if objective == "throughput" else start_vars)
+    h.run()
     status = h.getModelStatus()
     info = h.getInfo()
     if status == highspy.HighsModelStatus.kInfeasible:
