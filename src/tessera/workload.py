@@ -1,0 +1,184 @@
+"""The workload grammar shared by plan, simulate, evaluate and bench.
+
+    fixed:in=1024,out=1024,requests=192        every request the same lengths, all at once
+    poisson:rate=4,lengths=FILE[,requests=N]   Poisson arrivals (requests/s), lengths drawn from a file
+    images:steps=28,resolution=1024[,requests=N]   diffusion requests (resolution N or WxH)
+
+A lengths FILE is a CSV with a header naming `input` and `output` columns (one row per request, as
+published request traces are), or a JSON list of [input, output] pairs. Named distributions shipped
+with Tessera would live in ``LENGTHS_DIR``; none is shipped yet (no trace is available offline).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tessera.errors import TesseraError
+
+LENGTHS_DIR = Path(__file__).parent / "data" / "lengths"
+DEFAULT_REQUESTS = 256
+
+
+class WorkloadError(TesseraError, ValueError):
+    """A workload spec that does not parse, or a lengths file that cannot be used."""
+
+
+@dataclass(frozen=True)
+class LengthDistribution:
+    """(input, output) token lengths of requests, sampled as published traces record them."""
+
+    name: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+    def sample(self, n: int, seed: int = 0) -> list[tuple[int, int]]:
+        """``n`` (input, output) pairs drawn with replacement (deterministic for a seed)."""
+        idx = np.random.default_rng(seed).integers(0, len(self.inputs), size=n)
+        return [(self.inputs[i], self.outputs[i]) for i in idx]
+
+    @property
+    def median(self) -> tuple[float, float]:
+        return float(np.median(self.inputs)), float(np.median(self.outputs))
+
+
+@dataclass(frozen=True)
+class FixedWorkload:
+    """``requests`` requests of ``input`` prompt and ``output`` generated tokens, all arriving at once."""
+
+    input: int
+    output: int
+    requests: int
+
+
+@dataclass(frozen=True)
+class PoissonWorkload:
+    """Requests arriving as a Poisson process of ``rate`` per second, lengths from a distribution."""
+
+    rate: float
+    lengths: LengthDistribution
+    requests: int = DEFAULT_REQUESTS
+
+
+@dataclass(frozen=True)
+class ImagesWorkload:
+    """Diffusion requests: ``steps`` denoising steps at ``resolution`` (width, height)."""
+
+    steps: int
+    resolution: tuple[int, int]
+    requests: int = DEFAULT_REQUESTS
+
+
+Workload = FixedWorkload | PoissonWorkload | ImagesWorkload
+_KEYS = {"fixed": ({"in", "out", "requests"}, {"in", "out"}),
+         "poisson": ({"rate", "lengths", "requests"}, {"rate", "lengths"}),
+         "images": ({"steps", "resolution", "requests"}, {"steps", "resolution"})}
+_EXAMPLES = "fixed:in=1024,out=1024,requests=192 | poisson:rate=4,lengths=FILE | images:steps=28,resolution=1024"
+
+
+def _int(spec: str, key: str, value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise WorkloadError(f"workload {spec!r}: {key}={value!r} is not a whole number") from None
+    if n < 1:
+        raise WorkloadError(f"workload {spec!r}: {key} must be at least 1 (got {n})")
+    return n
+
+
+def _rate(spec: str, value: str) -> float:
+    try:
+        r = float(value)
+    except ValueError:
+        raise WorkloadError(f"workload {spec!r}: rate={value!r} is not a number (requests per second)") from None
+    if not r > 0:
+        raise WorkloadError(f"workload {spec!r}: rate must be positive (got {r})")
+    return r
+
+
+def _resolution(spec: str, value: str) -> tuple[int, int]:
+    parts = value.lower().split("x")
+    if len(parts) not in (1, 2) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise WorkloadError(f"workload {spec!r}: resolution={value!r} must be N or WxH, e.g. 1024 or 1024x768")
+    w = int(parts[0])
+    return (w, int(parts[1]) if len(parts) == 2 else w)
+
+
+def load_lengths(ref: str) -> LengthDistribution:
+    """A length distribution: a shipped name (``LENGTHS_DIR``) or a CSV / JSON file path."""
+    path = Path(ref)
+    if not path.exists():
+        shipped = sorted(p.stem for p in LENGTHS_DIR.glob("*.json")) if LENGTHS_DIR.exists() else []
+        candidate = LENGTHS_DIR / f"{ref}.json"
+        if not candidate.exists():
+            names = ", ".join(shipped) if shipped else "none shipped yet"
+            raise WorkloadError(f"lengths={ref!r}: no such file, and no shipped distribution of that name "
+                                f"(shipped: {names}); give a CSV with input and output columns, or a JSON list "
+                                "of [input, output] pairs")
+        path = candidate
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise WorkloadError(f"lengths file {path}: cannot read it ({e.strerror})") from None
+    pairs: list[tuple[int, int]] = []
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+            rows = data["requests"] if isinstance(data, dict) else data
+            pairs = [(int(a), int(b)) for a, b in rows]
+        else:
+            reader = csv.DictReader(text.splitlines())
+            fields = {f.lower().strip(): f for f in reader.fieldnames or []}
+            col_in = next((fields[k] for k in ("input", "input_tokens", "contexttokens", "prompt_tokens")
+                           if k in fields), None)
+            col_out = next((fields[k] for k in ("output", "output_tokens", "generatedtokens", "completion_tokens")
+                            if k in fields), None)
+            if col_in is None or col_out is None:
+                raise WorkloadError(f"lengths file {path}: the header needs an input and an output column "
+                                    f"(got {', '.join(reader.fieldnames or [])})")
+            pairs = [(int(r[col_in]), int(r[col_out])) for r in reader]
+    except WorkloadError:
+        raise
+    except (ValueError, KeyError, TypeError) as e:
+        raise WorkloadError(f"lengths file {path}: not a list of whole-number (input, output) lengths ({e})") from None
+    if not pairs:
+        raise WorkloadError(f"lengths file {path}: no requests in it")
+    if any(a < 1 or b < 1 for a, b in pairs):
+        raise WorkloadError(f"lengths file {path}: every input and output length must be at least 1")
+    return LengthDistribution(path.stem, tuple(a for a, _ in pairs), tuple(b for _, b in pairs))
+
+
+def parse_workload(spec: str) -> Workload:
+    """Parse a workload spec (see the module docstring for the grammar)."""
+    kind, sep, rest = spec.strip().partition(":")
+    if kind not in _KEYS or not sep:
+        raise WorkloadError(f"workload {spec!r}: expected KIND:KEY=VALUE,... with KIND one of "
+                            f"{', '.join(_KEYS)}; e.g. {_EXAMPLES}")
+    allowed, required = _KEYS[kind]
+    values: dict[str, str] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not value.strip():
+            raise WorkloadError(f"workload {spec!r}: {item!r} is not KEY=VALUE")
+        if key not in allowed:
+            raise WorkloadError(f"workload {spec!r}: unknown key {key!r} for {kind} (keys: {', '.join(sorted(allowed))})")
+        if key in values:
+            raise WorkloadError(f"workload {spec!r}: {key} is given twice")
+        values[key] = value.strip()
+    missing = sorted(required - set(values))
+    if missing:
+        raise WorkloadError(f"workload {spec!r}: {kind} needs {', '.join(missing)}; e.g. {_EXAMPLES}")
+    requests = _int(spec, "requests", values["requests"]) if "requests" in values else None
+    if kind == "fixed":
+        return FixedWorkload(_int(spec, "in", values["in"]), _int(spec, "out", values["out"]),
+                             requests or DEFAULT_REQUESTS)
+    if kind == "poisson":
+        return PoissonWorkload(_rate(spec, values["rate"]), load_lengths(values["lengths"]),
+                               requests or DEFAULT_REQUESTS)
+    return ImagesWorkload(_int(spec, "steps", values["steps"]), _resolution(spec, values["resolution"]),
+                          requests or DEFAULT_REQUESTS)

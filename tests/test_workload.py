@@ -1,0 +1,76 @@
+"""The workload grammar: fixed, poisson (lengths from a file) and images specs, and their errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tessera.workload import (
+    DEFAULT_REQUESTS,
+    FixedWorkload,
+    ImagesWorkload,
+    PoissonWorkload,
+    WorkloadError,
+    load_lengths,
+    parse_workload,
+)
+
+
+def test_fixed_and_images():
+    assert parse_workload("fixed:in=1024,out=1024,requests=192") == FixedWorkload(1024, 1024, 192)
+    assert parse_workload("fixed:in=8,out=4") == FixedWorkload(8, 4, DEFAULT_REQUESTS)
+    assert parse_workload("images:steps=28,resolution=1024") == ImagesWorkload(28, (1024, 1024), DEFAULT_REQUESTS)
+    assert parse_workload("images:steps=4,resolution=768x512,requests=3").resolution == (768, 512)
+
+
+def test_poisson_with_a_csv_trace(tmp_path):
+    trace = tmp_path / "conv.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,1020,129\n1,300,20\n2,2000,400\n")
+    w = parse_workload(f"poisson:rate=4,lengths={trace},requests=10")
+    assert isinstance(w, PoissonWorkload) and w.rate == 4.0 and w.requests == 10
+    assert w.lengths.median == (1020.0, 129.0) and w.lengths.name == "conv"
+    sample = w.lengths.sample(100, seed=1)
+    assert len(sample) == 100 and set(sample) <= {(1020, 129), (300, 20), (2000, 400)}
+    assert sample == w.lengths.sample(100, seed=1)
+
+
+def test_lengths_from_json(tmp_path):
+    f = tmp_path / "l.json"
+    f.write_text(json.dumps([[10, 2], [20, 4]]))
+    assert load_lengths(str(f)).inputs == (10, 20)
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("batch:in=1", "KIND one of fixed, poisson, images"),
+    ("fixed", "KIND one of"),
+    ("fixed:in=1024", "fixed needs out"),
+    ("fixed:in=1024,out=x", "out='x' is not a whole number"),
+    ("fixed:in=0,out=1", "in must be at least 1"),
+    ("fixed:in=1,out=1,seq=3", "unknown key 'seq'"),
+    ("fixed:in=1,in=2,out=1", "in is given twice"),
+    ("fixed:in=1,out", "'out' is not KEY=VALUE"),
+    ("poisson:rate=-1,lengths=x.csv", "rate must be positive"),
+    ("poisson:rate=4,lengths=azure-conv", "no shipped distribution of that name"),
+    ("images:steps=28,resolution=big", "resolution='big' must be N or WxH"),
+])
+def test_bad_specs(spec, expected):
+    with pytest.raises(WorkloadError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        parse_workload(spec)
+
+
+def test_bad_lengths_files(tmp_path):
+    f = tmp_path / "bad.csv"
+    f.write_text("a,b\n1,2\n")
+    with pytest.raises(WorkloadError, match="input and an output column"):
+        load_lengths(str(f))
+    f.write_text("input,output\n1,0\n")
+    with pytest.raises(WorkloadError, match="at least 1"):
+        load_lengths(str(f))
+    f.write_text("input,output\n")
+    with pytest.raises(WorkloadError, match="no requests"):
+        load_lengths(str(f))
+    j = tmp_path / "bad.json"
+    j.write_text('[["x", 1]]')
+    with pytest.raises(WorkloadError, match="whole-number"):
+        load_lengths(str(j))
