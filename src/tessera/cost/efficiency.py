@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from tessera.cost.features import COST_CLASSES
+from tessera.documents import read_json
 from tessera.errors import TesseraError
 from tessera.hardware.catalog import DeviceSpec
 
@@ -102,13 +103,7 @@ def host_factors_file() -> Path:
 
 def load_factors(path: str | Path) -> DeviceEfficiency:
     """Device factors written by :func:`save_factors` (e.g. by `tessera calibrate`)."""
-    p = Path(path)
-    try:
-        return DeviceEfficiency.from_dict(json.loads(p.read_text()), str(p))
-    except OSError as e:
-        raise FactorsError(f"cannot read factors file {p}: {e.strerror}") from e
-    except json.JSONDecodeError as e:
-        raise FactorsError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from e
+    return DeviceEfficiency.from_dict(read_json(path, "factors file", FactorsError), str(path))
 
 
 def save_factors(factors: DeviceEfficiency, path: str | Path) -> None:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tessera.documents import read_json
 from tessera.errors import TesseraError
 from tessera.graph.codec import dtype_from_name
 from tessera.graph.ir import Kernel
@@ -151,14 +152,8 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         """Read a profile written by :meth:`save`."""
-        p = Path(path)
-        try:
-            d = json.loads(p.read_text())
-        except OSError as e:
-            raise ProfileFormatError(f"{p}: cannot read profile file ({e.strerror})") from e
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ProfileFormatError(f"{p}: not a JSON file ({e}); {_REDO}") from e
-        return cls.from_dict(d, source=str(p))
+        d = read_json(path, "profile file", ProfileFormatError, hint=_REDO)
+        return cls.from_dict(d, source=str(path))
 
 
 def _timing_from_dict(row: Any, i: int, source: str) -> KernelTiming:

@@ -16,8 +16,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from tessera.documents import read_yaml
 from tessera.errors import TesseraError
 
 DEVICES_FILE = Path(__file__).with_name("devices.yaml")
@@ -204,12 +203,7 @@ def _host_row(row: _Row) -> _HostRow:
 
 
 def _read_catalog(path: Path) -> _Catalog:
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise DeviceCatalogError(f"{path}: cannot read the devices file: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise DeviceCatalogError(f"{path}: not valid YAML: {e}") from None
+    doc = read_yaml(path, "devices file", DeviceCatalogError)
     if not isinstance(doc, dict) or set(doc) != {"devices"} or not isinstance(doc["devices"], list):
         raise DeviceCatalogError(f"{path}: expected a mapping with one key, 'devices', holding a list of rows")
     specs: dict[str, DeviceSpec] = {}

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from tessera.documents import read_yaml
 from tessera.errors import TesseraError
 from tessera.hardware.catalog import (
     HOST_ID,
@@ -313,12 +312,7 @@ def load_cluster_yaml(path: str | Path) -> Cluster:
             and the path in the document, e.g. nodes[1].devices).
     """
     p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except OSError as e:
-        raise ClusterSpecError(f"{p}: cannot read the cluster file: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise ClusterSpecError(f"{p}: not valid YAML: {e}") from None
+    raw = read_yaml(p, "cluster file", ClusterSpecError)
     doc = _Doc(p)
     top = doc.mapping(raw, "document", {"nodes", "network"}, {"nodes"})
     if not isinstance(top["nodes"], list) or not top["nodes"]:
