@@ -7,16 +7,15 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from tessera import cli_options as opt
+from tessera.console import err, out, print_error
+from tessera.console import fail as _fail
 from tessera.errors import TesseraError
 
 app = typer.Typer(help="Tessera: kernel-granularity disaggregated serving on heterogeneous GPUs.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-out = Console()
-err = Console(stderr=True, soft_wrap=True)  # errors are never wrapped: paths stay greppable
 
 
 def _mount_subcommands() -> None:
@@ -30,11 +29,6 @@ def _mount_subcommands() -> None:
 
 
 _mount_subcommands()
-
-
-def _fail(e: Exception) -> None:
-    err.print(f"[bold red]error:[/] {e}", highlight=False)
-    raise typer.Exit(2)
 
 
 def _human(n: float, unit: str = "") -> str:
@@ -190,5 +184,5 @@ def main() -> None:  # pragma: no cover - console entry point
     try:
         app()
     except TesseraError as e:
-        err.print(f"[bold red]error:[/] {e}")
+        print_error(e)
         sys.exit(2)

@@ -7,19 +7,13 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from tessera import cli_options as opt
+from tessera.console import err as _err
+from tessera.console import fail as _fail
+from tessera.console import out as _out
 from tessera.errors import TesseraError
-
-_out = Console(highlight=False)
-_err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-
-def _fail(e: Exception) -> None:
-    _err.print(f"[bold red]error:[/] {e}")
-    raise typer.Exit(2)
 
 
 def _seconds(t: float) -> str:

@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from tessera.console import fail
+from tessera.console import out as _out
 from tessera.errors import TesseraError
-
-_out = Console(highlight=False)
-_err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _tflops(spec, path: str) -> str:
@@ -49,8 +47,7 @@ def devices(
             return
         specs = load_devices()
     except TesseraError as e:
-        _err.print(f"[bold red]error:[/] {e}")
-        raise typer.Exit(2) from None
+        fail(e)
     if as_json:
         print(json.dumps([{"id": s.id, "name": s.name, "aliases": list(s.aliases), "memory_bytes": s.memory_bytes,
                            "memory_bandwidth": s.memory_bandwidth, "flops": s.flops, "sm_count": s.sm_count,

@@ -7,47 +7,30 @@ without PTX, SASS-only kernels) though everything else is still printed; 2 when 
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from tessera.capture.ptx.analyze import KernelAccess, analyze_ptx
+from tessera.capture.ptx.extract import extract_ptx
+from tessera.capture.ptx.instrument import instrument_ptx
+from tessera.console import out as _out
+from tessera.console import print_error as _warn
 from tessera.errors import TesseraError
 
 ptx_app = typer.Typer(help="Analyse PTX kernels (which arguments they read and write) and instrument them.",
                       no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-_out = Console(highlight=False)
-_err = Console(stderr=True, highlight=False, soft_wrap=True)  # never wrap error lines
 
 _ACCESS_STYLE = {"none": "dim", "read": "green", "write": "yellow", "read-write": "bold red"}
 
 
-def _optional(module: str):
-    """A sibling module that may not be installed in every checkout (extract, instrument), or None."""
-    try:
-        return importlib.import_module(f"tessera.capture.ptx.{module}")
-    except ImportError:
-        return None
-
-
-def _warn(message: str) -> None:
-    _err.print(f"[bold red]error:[/] {escape(message)}")
-
-
 def _sources(path: Path) -> tuple[list[tuple[str, str]], list[str], list[str]]:
     """([(name, PTX text)], problems, SASS-only kernels) of one input file; TesseraError/OSError if unreadable."""
-    extract = _optional("extract")
-    if extract is not None:
-        res = extract.extract_ptx(path)
-        return [(src.name, src.text) for src in res.ptx], list(res.errors), list(res.sass_only)
-    if path.suffix != ".ptx":
-        raise TesseraError(f"{path}: reading binaries needs tessera.capture.ptx.extract, which is not installed")
-    return [(str(path), path.read_text(errors="replace"))], [], []
+    res = extract_ptx(path)
+    return [(src.name, src.text) for src in res.ptx], list(res.errors), list(res.sass_only)
 
 
 def _table(k: KernelAccess) -> Table:
@@ -142,10 +125,6 @@ def instrument(
     as_json: bool = typer.Option(False, "--json", help="Print the instrumented and skipped sites as JSON."),
 ) -> None:
     """Record the first and last byte address of each global access (atom.min/max into an extra buffer)."""
-    inst = _optional("instrument")
-    if inst is None:
-        _warn("tessera.capture.ptx.instrument is not installed")
-        raise typer.Exit(2)
     try:
         sources, problems, sass_only = _sources(file)
     except (TesseraError, OSError) as e:
@@ -160,7 +139,7 @@ def instrument(
         raise typer.Exit(2)
     name, text = sources[0]
     try:
-        result = inst.instrument_ptx(text, name)
+        result = instrument_ptx(text, name)
     except TesseraError as e:
         _warn(str(e))
         raise typer.Exit(1) from None
