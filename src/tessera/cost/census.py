@@ -181,11 +181,12 @@ class Census:
 
 def kernel_pairs(graph: KernelGraph, a: CostModel, b: CostModel) -> list[KernelPair]:
     """Every kernel of ``graph`` with its predicted time on the devices of ``a`` and ``b``."""
-    features = FeatureExtractor(graph, a.options)
-    costs_a, costs_b = a.kernel_costs(graph), b.kernel_costs(graph)
+    features = FeatureExtractor(graph, a.options).all()
+    if a.options != b.options:
+        raise CensusError("both devices of a census are costed under the same options (weight/KV dtypes, launches)")
+    costs_a, costs_b = a.kernel_costs(graph, features), b.kernel_costs(graph, features)
     out = []
-    for k, ca, cb in zip(graph.kernels, costs_a, costs_b, strict=True):
-        f = features.features(k)
+    for k, f, ca, cb in zip(graph.kernels, features, costs_a, costs_b, strict=True):
         out.append(KernelPair(phase=graph.phase, index=k.index, op=k.op, scope=k.scope, cost_class=ca.cost_class,
                               block=block_of(k), flops=f.flops, bytes=f.bytes, time_a_s=ca.time_s,
                               time_b_s=cb.time_s, bound_a=ca.bound, bound_b=cb.bound))

@@ -7,7 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from tessera.cost.efficiency import DeviceEfficiency, efficiency_for
-from tessera.cost.features import FeatureExtractor
+from tessera.cost.features import FeatureExtractor, KernelFeatures
 from tessera.cost.options import CostOptions
 from tessera.cost.profile import Profile, kernel_signature
 from tessera.cost.roofline import KernelCost, kernel_time
@@ -79,12 +79,12 @@ class CostModel:
         self.efficiency = efficiency or efficiency_for(device)
         self.measured = profile.by_signature() if profile is not None else {}
 
-    def kernel_costs(self, graph: KernelGraph) -> list[KernelCost]:
-        """Cost of every kernel of ``graph`` in program order."""
-        extractor = FeatureExtractor(graph, self.options)
+    def kernel_costs(self, graph: KernelGraph, features: list[KernelFeatures] | None = None) -> list[KernelCost]:
+        """Cost of every kernel of ``graph`` in program order (``features``: the graph's, if already
+        extracted with this model's options, e.g. shared by the cost models of several devices)."""
+        features = FeatureExtractor(graph, self.options).all() if features is None else features
         out = []
-        for k in graph.kernels:
-            f = extractor.features(k)
+        for k, f in zip(graph.kernels, features, strict=True):
             cost = kernel_time(f, self.device, self.efficiency.classes[f.cost_class], self.options)
             t = self.measured.get(kernel_signature(k)) if self.measured else None
             if t is not None:
