@@ -9,7 +9,6 @@ so the kernels after them still see the step's values.
 
 from __future__ import annotations
 
-import platform
 import re
 import statistics
 import time
@@ -17,7 +16,6 @@ from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 
 import torch
 
@@ -46,17 +44,6 @@ class ProfileTarget:
     threads: int | None  # CPU threads (None on a GPU)
 
 
-def cpu_name() -> str:
-    """This host's CPU model string (e.g. from /proc/cpuinfo), or the machine type when unknown."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown cpu"
-
-
 def _gpu_id(name: str) -> str:
     """The canonical catalog id of a CUDA device name ("NVIDIA H200" -> "H200"); the name if unknown."""
     from tessera.hardware.catalog import resolve_device
@@ -83,13 +70,13 @@ def resolve_target(device: str, threads: int | None = None) -> ProfileTarget:
         raise ProfileError(f"--threads must be at least 1 (got {threads})")
     kind, number = m.group(1), m.group(2)
     if kind == "cpu":
-        from tessera.hardware.host import host_cores
+        from tessera.hardware.host import cpu_model, host_cores
 
         cores = host_cores()  # the same count `cpu:N` devices and clusters split
         workers = 1 if number is None else int(number)
         if workers < 1:
             raise ProfileError(f"--device {device}: the number of CPU workers must be at least 1")
-        return ProfileTarget("cpu", "cpu", cpu_name(), threads or max(1, cores // workers))
+        return ProfileTarget("cpu", "cpu", cpu_model(), threads or max(1, cores // workers))
     if not torch.cuda.is_available():
         raise ProfileError(f"--device {device}: CUDA is not available here (torch {torch.__version__}); profile "
                            "with --device cpu, or run on a machine with an NVIDIA GPU and a CUDA build of torch")

@@ -39,7 +39,8 @@ def host_cores() -> int:
     return max(1, len(cores))
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """This host's CPU model string (from /proc/cpuinfo), or the machine type when unknown."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -141,7 +142,7 @@ def _measure_host(threads: int) -> dict[str, Any]:
         latency = _dispatch_latency(torch)
     finally:
         torch.set_num_threads(before)
-    return {"name": _cpu_model(), "arch": platform.machine() or "unknown",
+    return {"name": cpu_model(), "arch": platform.machine() or "unknown",
             "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
             "memory_bandwidth": bandwidth, "flops": flops, "boost_clock_hz": clock, "l2_bytes": llc,
             "launch_latency_s": latency, "measured_on": date.today().isoformat(),
@@ -152,7 +153,7 @@ def _measure_host(threads: int) -> dict[str, Any]:
 def _host_key(threads: int) -> dict[str, Any]:
     import torch
 
-    return {"version": _HOST_CACHE_VERSION, "cpu": _cpu_model(), "machine": platform.machine(),
+    return {"version": _HOST_CACHE_VERSION, "cpu": cpu_model(), "machine": platform.machine(),
             "cores": host_cores(), "threads": threads, "torch": torch.__version__}
 
 
