@@ -70,13 +70,12 @@ def resolve_target(device: str, threads: int | None = None) -> ProfileTarget:
         raise ProfileError(f"--threads must be at least 1 (got {threads})")
     kind, number = m.group(1), m.group(2)
     if kind == "cpu":
-        from tessera.hardware.host import cpu_model, host_cores
+        from tessera.hardware.host import cpu_model, worker_threads
 
-        cores = host_cores()  # the same count `cpu:N` devices and clusters split
         workers = 1 if number is None else int(number)
         if workers < 1:
             raise ProfileError(f"--device {device}: the number of CPU workers must be at least 1")
-        return ProfileTarget("cpu", "cpu", cpu_model(), threads or max(1, cores // workers))
+        return ProfileTarget("cpu", "cpu", cpu_model(), threads or worker_threads(workers))
     if not torch.cuda.is_available():
         raise ProfileError(f"--device {device}: CUDA is not available here (torch {torch.__version__}); profile "
                            "with --device cpu, or run on a machine with an NVIDIA GPU and a CUDA build of torch")

@@ -291,7 +291,7 @@ def resolve_device(name: str) -> DeviceSpec:
     Raises:
         UnknownDeviceError: an unknown name or a malformed "cpu:N".
     """
-    from tessera.hardware.host import host_cores, host_spec
+    from tessera.hardware.host import host_spec, worker_threads
 
     base, sep, count = str(name).strip().partition(":")
     rid = canonical_id(base)
@@ -304,7 +304,7 @@ def resolve_device(name: str) -> DeviceSpec:
         return host_spec()
     if not count.strip().isdigit() or int(count) < 1:
         raise UnknownDeviceError(f"device {name!r}: expected 'cpu:N' with N a whole number >= 1 (workers)")
-    return host_spec(max(1, host_cores() // int(count)))
+    return host_spec(worker_threads(int(count)))
 
 
 def host_row():

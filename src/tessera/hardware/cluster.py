@@ -21,7 +21,7 @@ from tessera.hardware.catalog import (
     canonical_id,
     resolve_device,
 )
-from tessera.hardware.host import host_cores, host_spec
+from tessera.hardware.host import host_spec, worker_threads
 
 LINK_KINDS = ("nvlink", "pcie", "ib", "ethernet", "loopback")
 LINK_NAMES = {"nvlink": "NVLink", "pcie": "PCIe", "ib": "IB", "ethernet": "Ethernet", "loopback": "loopback"}
@@ -142,7 +142,7 @@ def _default_intra(specs: list[DeviceSpec]) -> Link:
 
 def _cpu_spec(workers: int) -> DeviceSpec | None:
     """This host's spec for one of `workers` local workers (cores // workers threads); None for 0 workers."""
-    return host_spec(max(1, host_cores() // workers)) if workers else None
+    return host_spec(worker_threads(workers)) if workers else None
 
 
 def _build(groups: list[tuple[str, dict[str, int]]], links: dict[str, Link | None], inter: Link) -> Cluster:

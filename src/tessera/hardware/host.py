@@ -39,6 +39,11 @@ def host_cores() -> int:
     return max(1, len(cores))
 
 
+def worker_threads(workers: int) -> int:
+    """Threads of one of ``workers`` local workers sharing this host's physical cores (at least 1)."""
+    return max(1, host_cores() // workers)
+
+
 def cpu_model() -> str:
     """This host's CPU model string (from /proc/cpuinfo), or the machine type when unknown."""
     try:
