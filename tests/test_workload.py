@@ -8,12 +8,14 @@ import pytest
 
 from tessera.workload import (
     DEFAULT_REQUESTS,
+    LENGTHS_DIR,
     FixedWorkload,
     ImagesWorkload,
     PoissonWorkload,
     WorkloadError,
     load_lengths,
     parse_workload,
+    shipped_lengths,
 )
 
 
@@ -35,6 +37,24 @@ def test_poisson_with_a_csv_trace(tmp_path):
     assert sample == w.lengths.sample(100, seed=1)
 
 
+def test_shipped_azure_conv():
+    """The Azure 2023 conversation trace: 19366 requests, median 1020 prompt and 129 generated tokens."""
+    w = parse_workload("poisson:rate=4,lengths=azure-conv")
+    d = w.lengths
+    assert d.name == "azure-conv" and len(d.inputs) == len(d.outputs) == 19366
+    assert d.median == (1020.0, 129.0)
+    assert (d.inputs[:3], d.outputs[:3]) == ((374, 396, 879), (44, 109, 55))  # the trace's first rows
+    assert (min(d.inputs), max(d.inputs), min(d.outputs), max(d.outputs)) == (2, 14050, 7, 1000)
+    assert round(sum(d.inputs) / len(d.inputs), 1) == 1154.7 and round(sum(d.outputs) / len(d.outputs), 1) == 211.1
+    assert shipped_lengths() == {"azure-conv": LENGTHS_DIR / "azure-conv.csv"}
+
+
+def test_a_path_wins_over_a_shipped_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "azure-conv").write_text("input,output\n5,6\n")
+    assert load_lengths("azure-conv").inputs == (5,)
+
+
 def test_lengths_from_json(tmp_path):
     f = tmp_path / "l.json"
     f.write_text(json.dumps([[10, 2], [20, 4]]))
@@ -51,7 +71,7 @@ def test_lengths_from_json(tmp_path):
     ("fixed:in=1,in=2,out=1", "in is given twice"),
     ("fixed:in=1,out", "'out' is not KEY=VALUE"),
     ("poisson:rate=-1,lengths=x.csv", "rate must be positive"),
-    ("poisson:rate=4,lengths=azure-conv", "no shipped distribution of that name"),
+    ("poisson:rate=4,lengths=azure-chat", "no shipped distribution of that name (shipped: azure-conv)"),
     ("images:steps=28,resolution=big", "resolution='big' must be N or WxH"),
 ])
 def test_bad_specs(spec, expected):

@@ -5,8 +5,10 @@
     images:steps=28,resolution=1024[,requests=N]   diffusion requests (resolution N or WxH)
 
 A lengths FILE is a CSV with a header naming `input` and `output` columns (one row per request, as
-published request traces are), or a JSON list of [input, output] pairs. Named distributions shipped
-with Tessera would live in ``LENGTHS_DIR``; none is shipped yet (no trace is available offline).
+published request traces are), or a JSON list of [input, output] pairs. A name instead of a path picks a
+distribution shipped in ``LENGTHS_DIR`` (its README says where each came from):
+
+    azure-conv    the Azure LLM inference conversation trace, 2023 (19366 requests; median 1020 in, 129 out)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tessera.errors import TesseraError
 
 LENGTHS_DIR = Path(__file__).parent / "data" / "lengths"
 DEFAULT_REQUESTS = 256
+_LENGTH_SUFFIXES = (".csv", ".json")
 
 
 class WorkloadError(TesseraError, ValueError):
@@ -108,18 +111,25 @@ def _resolution(spec: str, value: str) -> tuple[int, int]:
     return (w, int(parts[1]) if len(parts) == 2 else w)
 
 
+def shipped_lengths() -> dict[str, Path]:
+    """The distributions shipped in ``LENGTHS_DIR``, by name (the file stem), sorted by name."""
+    if not LENGTHS_DIR.is_dir():
+        return {}
+    files = [p for p in LENGTHS_DIR.iterdir() if p.is_file() and p.suffix in _LENGTH_SUFFIXES]
+    return {p.stem: p for p in sorted(files)}
+
+
 def load_lengths(ref: str) -> LengthDistribution:
-    """A length distribution: a shipped name (``LENGTHS_DIR``) or a CSV / JSON file path."""
+    """A length distribution: a shipped name (``LENGTHS_DIR``, e.g. ``azure-conv``) or a CSV / JSON file path."""
     path = Path(ref)
     if not path.exists():
-        shipped = sorted(p.stem for p in LENGTHS_DIR.glob("*.json")) if LENGTHS_DIR.exists() else []
-        candidate = LENGTHS_DIR / f"{ref}.json"
-        if not candidate.exists():
-            names = ", ".join(shipped) if shipped else "none shipped yet"
+        shipped = shipped_lengths()
+        if ref not in shipped:
+            names = ", ".join(shipped) if shipped else "none shipped"
             raise WorkloadError(f"lengths={ref!r}: no such file, and no shipped distribution of that name "
-                                f"(shipped: {names}); give a CSV with input and output columns, or a JSON list "
-                                "of [input, output] pairs")
-        path = candidate
+                                f"(shipped: {names}); give a shipped name, a CSV with input and output columns, "
+                                "or a JSON list of [input, output] pairs")
+        path = shipped[ref]
     try:
         text = path.read_text()
     except OSError as e:
