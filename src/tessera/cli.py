@@ -22,10 +22,12 @@ def _mount_subcommands() -> None:
     from tessera.capture.ptx.cli import ptx_app
     from tessera.cost.cli import register as register_cost
     from tessera.hardware.cli import register as register_hardware
+    from tessera.plan.cli import register as register_plan
 
     app.add_typer(ptx_app, name="ptx", help="Analyse and instrument PTX of opaque kernels.")
     register_hardware(app)
     register_cost(app)
+    register_plan(app)
 
 
 _mount_subcommands()

@@ -3,6 +3,19 @@
 This is the solver's view of a step, independent of how it was built (a traced graph and the cost
 model, or a hand-written test case): the planner fills it, :mod:`tessera.plan.milp` solves it exactly,
 and :mod:`tessera.plan.enumerate` checks small instances by brute force.
+
+The two objectives (both in seconds):
+
+* **throughput**: the pipelined cycle time of a step run as ``micro_batches`` (M) micro-batches,
+  ``max(M x busiest device, M x busiest directed link, critical path of one micro-batch)``. Kernel
+  times and edge bytes are per micro-batch; a cut edge costs ``messages`` x the link's per-message
+  latency plus bytes / bandwidth on its directed link. The critical-path term is what cannot overlap:
+  one micro-batch cannot finish its step faster than its own dependency chain (with M = 1 nothing
+  overlaps and the cycle is the critical path).
+* **latency**: the critical path of one micro-batch: compute plus the transfers of cut edges on it.
+
+Memory (optional): ``items`` are resident objects (weights, state) with bytes; an item lives on every
+device that runs a kernel reading it, and each device's items must fit its ``capacity``.
 """
 
 from __future__ import annotations
@@ -14,6 +27,7 @@ import numpy as np
 from tessera.errors import TesseraError
 
 OBJECTIVES = ("throughput", "latency")
+MICRO_BATCHES = (1, 2, 4, 8)
 
 
 class PlacementProblemError(TesseraError, ValueError):
@@ -21,14 +35,40 @@ class PlacementProblemError(TesseraError, ValueError):
 
 
 @dataclass
+class MemorySpec:
+    """Resident items and device capacities: ``item_bytes[w]`` bytes of item w (per device holding it),
+    ``reads``: (kernel, item) pairs, ``capacity[d]``: bytes device d has for items."""
+
+    item_bytes: np.ndarray  # [W]
+    reads: list[tuple[int, int]]
+    capacity: np.ndarray  # [D]
+    item_names: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        self.item_bytes = np.asarray(self.item_bytes, dtype=float)
+        self.capacity = np.asarray(self.capacity, dtype=float)
+
+    def readers(self) -> dict[int, list[int]]:
+        """item -> kernels that read it."""
+        out: dict[int, list[int]] = {}
+        for k, w in self.reads:
+            out.setdefault(w, []).append(k)
+        return out
+
+
+@dataclass
 class PlacementProblem:
     """Place each of K kernels on one of D devices (or device groups).
 
-    ``times[i, d]``: seconds of kernel i on device d (``inf``: it cannot run there). ``edges``: (src, dst,
-    bytes) data dependencies, src before dst in program order; a cut edge costs the link's per-message
-    latency plus bytes / bandwidth. ``pinned``: kernels that must run on a given device (state that is
-    not moved). ``together``: pairs of kernels that must share a device (state touched by both; kernels
-    whose PTX is indirect or opaque stay with their neighbours).
+    ``times[i, d]``: seconds of kernel i on device d for one micro-batch (``inf``: it cannot run there).
+    ``edges``: (src, dst, bytes) data dependencies, src before dst in program order. ``messages[n]``:
+    how many messages edge n's transfer takes (default 1; folded problems stand for several layers).
+    ``pinned``: kernels that must run on a given device (state that is not moved). ``together``: pairs of
+    kernels that must share a device (state touched by both; kernels whose PTX is indirect or opaque
+    stay with their neighbours). ``micro_batches``: M of the throughput objective. ``loop_edges``:
+    (src, dst, bytes, messages) edges of folded problems between layers that share one placement (any
+    program order): a cut one loads its link like an edge and adds its transfer to the critical path
+    (the chain of layers crosses every layer boundary).
     """
 
     devices: list[str]
@@ -38,6 +78,10 @@ class PlacementProblem:
     latency: np.ndarray  # [D, D] seconds per message from d to e
     pinned: dict[int, int] = field(default_factory=dict)
     together: list[tuple[int, int]] = field(default_factory=list)
+    micro_batches: int = 1
+    messages: list[float] | None = None
+    memory: MemorySpec | None = None
+    loop_edges: list[tuple[int, int, float, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.times = np.asarray(self.times, dtype=float)
@@ -53,26 +97,42 @@ class PlacementProblem:
                 raise PlacementProblemError(f"edge {src}->{dst}: kernels must exist and run in program order")
             if nbytes < 0:
                 raise PlacementProblemError(f"edge {src}->{dst} moves {nbytes} bytes")
+        for src, dst, nbytes, count in self.loop_edges:
+            if not (0 <= src < k and 0 <= dst < k) or nbytes < 0 or count < 0:
+                raise PlacementProblemError(f"loop edge {src}->{dst} ({nbytes} bytes, {count} messages) is invalid")
+        if self.messages is None:
+            self.messages = [1.0] * len(self.edges)
+        elif len(self.messages) != len(self.edges) or min(self.messages, default=1.0) < 0:
+            raise PlacementProblemError(f"messages needs one count >= 0 per edge ({len(self.edges)} edges)")
         for i, dev in self.pinned.items():
             if not (0 <= i < k and 0 <= dev < d) or not np.isfinite(self.times[i, dev]):
                 raise PlacementProblemError(f"kernel {i} is pinned to device {dev}, where it cannot run")
         if not np.isfinite(self.times).any(axis=1).all():
             bad = int(np.flatnonzero(~np.isfinite(self.times).any(axis=1))[0])
             raise PlacementProblemError(f"kernel {bad} cannot run on any device")
+        if self.micro_batches < 1:
+            raise PlacementProblemError(f"micro_batches must be >= 1 (got {self.micro_batches})")
+        if self.memory is not None:
+            m = self.memory
+            if m.capacity.shape != (d,):
+                raise PlacementProblemError(f"memory capacity needs one entry per device ({d})")
+            for i, w in m.reads:
+                if not (0 <= i < k and 0 <= w < len(m.item_bytes)):
+                    raise PlacementProblemError(f"memory read ({i}, {w}) names a kernel or item that does not exist")
 
     @property
     def kernels(self) -> int:
         return self.times.shape[0]
 
-    def transfer_time(self, nbytes: float, src: int, dst: int) -> float:
-        """Seconds to move ``nbytes`` from device src to dst (0 on the same device)."""
+    def transfer_time(self, nbytes: float, src: int, dst: int, messages: float = 1.0) -> float:
+        """Seconds to move ``nbytes`` from device src to dst in ``messages`` messages (0 on the same device)."""
         if src == dst:
             return 0.0
-        return float(self.latency[src, dst] + nbytes / self.bandwidth[src, dst])
+        return float(messages * self.latency[src, dst] + nbytes / self.bandwidth[src, dst])
 
-    def transfer_matrix(self, nbytes: float) -> np.ndarray:
+    def transfer_matrix(self, nbytes: float, messages: float = 1.0) -> np.ndarray:
         """[D, D] seconds to move ``nbytes`` between each pair of devices (0 on the diagonal)."""
-        m = self.latency + nbytes / self.bandwidth
+        m = messages * self.latency + nbytes / self.bandwidth
         np.fill_diagonal(m, 0.0)
         return m
 
@@ -87,3 +147,4 @@ class Placement:
     bound: float  # the solver's proven lower bound
     gap: float  # relative gap between value and bound
     optimal: bool
+    solve_s: float = 0.0

@@ -1,0 +1,155 @@
+"""Build a step's placement problem from its KernelGraph, the cost model and the cluster's targets.
+
+Times: every kernel on every target (one GPU: the cost model; a device group: its sharding model).
+Edges: read-after-write dependencies between kernels, coalesced per (producer, consumer), carrying the
+bytes the consumer reads of what the producer wrote. Constraints: every kernel touching a state buffer
+(KV/conv/SSM cache) shares a device with the others that touch it (state never moves inside a step);
+kernels whose PTX is indirect or opaque share a device with the kernels they exchange data with.
+Memory: weights and state are items resident where the kernels that read them run; activations are a
+reserve of M times the largest working set of one kernel.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from tessera.cost.features import FeatureExtractor, KernelFeatures, is_kv_buffer
+from tessera.cost.model import CostModel
+from tessera.cost.options import CostOptions
+from tessera.cost.profile import Profile
+from tessera.cost.routing import RoutingDistribution
+from tessera.graph.ir import KernelGraph
+from tessera.hardware.cluster import Cluster
+from tessera.plan.problem import MemorySpec, PlacementProblem
+from tessera.plan.targets import Target, link_between
+
+
+@dataclass
+class StepProblem:
+    """A step's placement problem with what it was built from (kernel i of the problem = graph kernel i)."""
+
+    graph: KernelGraph
+    targets: list[Target]
+    problem: PlacementProblem
+    features: list[KernelFeatures]
+    activation_reserve: float  # bytes per target kept for activations (M micro-batches in flight)
+
+    @property
+    def micro_batches(self) -> int:
+        return self.problem.micro_batches
+
+
+def target_times(graph: KernelGraph, features: list[KernelFeatures], target: Target, options: CostOptions,
+                 profile: Profile | None = None, routing: RoutingDistribution | None = None) -> np.ndarray:
+    """[K] seconds of each kernel on ``target`` (a single GPU, or a group with its sharding costs)."""
+    usable = profile if profile is not None and profile.device == target.spec.id else None
+    model = CostModel(target.spec, options, usable)
+    if target.size == 1:
+        return np.array([c.time_s for c in model.kernel_costs(graph, features)])
+    from tessera.plan.groups import DeviceGroup, group_kernel_times
+
+    group = DeviceGroup(target.spec, target.size, target.intra, tp=target.size, ep=target.size)
+    return np.asarray(group_kernel_times(graph, features, model, group, routing).total_s, dtype=float)
+
+
+def _access_bytes(graph: KernelGraph) -> tuple[dict, dict]:
+    written: dict[tuple[int, str], int] = defaultdict(int)
+    read: dict[tuple[int, str], int] = defaultdict(int)
+    for a in graph.accesses:
+        n = int(np.prod(a.sizes)) * a.itemsize if a.sizes else a.itemsize
+        (written if a.mode == "write" else read)[(a.kernel, a.buffer)] += n
+    return written, read
+
+
+def data_edges(graph: KernelGraph) -> list[tuple[int, int, float]]:
+    """(producer, consumer, bytes) of every read-after-write dependency, coalesced per kernel pair."""
+    written, read = _access_bytes(graph)
+    pairs: dict[tuple[int, int], float] = defaultdict(float)
+    for e in graph.edges:
+        if e.kind != "RAW" or graph.buffers[e.buffer].kind in ("weight", "constant", "state"):
+            continue
+        pairs[(e.src, e.dst)] += min(written[(e.src, e.buffer)], read[(e.dst, e.buffer)])
+    return [(s, d, b) for (s, d), b in sorted(pairs.items())]
+
+
+def colocation(graph: KernelGraph, edges: list[tuple[int, int, float]]) -> list[tuple[int, int]]:
+    """Pairs of kernels that must share a device: state touched by both, or an indirect/opaque kernel
+    and the kernels it exchanges data with."""
+    state = set(graph.state)
+    touching: dict[str, list[int]] = defaultdict(list)
+    for a in graph.accesses:
+        if a.buffer in state and (not touching[a.buffer] or touching[a.buffer][-1] != a.kernel):
+            touching[a.buffer].append(a.kernel)
+    pairs = {(ks[0], k) for ks in touching.values() for k in ks[1:]}
+    indirect = {k.index for k in graph.kernels if k.indirect}
+    pairs |= {(s, d) for s, d, _ in edges if s in indirect or d in indirect}
+    return sorted(pairs)
+
+
+def memory_items(graph: KernelGraph, options: CostOptions, micro_batches: int, state_scale: float = 1.0) -> MemorySpec:
+    """Weights and state as resident items (state for all M micro-batches, times ``state_scale`` when the
+    cache holds more than the traced context); capacities are filled later."""
+    names, sizes, index = [], [], {}
+    for name, b in graph.buffers.items():
+        if b.kind == "weight":
+            size = b.nbytes * (options.weight_scale(b.dtype) if len(b.shape) >= 2 else 1.0)
+        elif b.kind == "state":
+            kv = is_kv_buffer(name)
+            size = b.nbytes * (options.kv_scale(b.dtype) * state_scale if kv else 1.0) * micro_batches
+        else:
+            continue
+        index[name] = len(names)
+        names.append(name)
+        sizes.append(size)
+    reads = sorted({(a.kernel, index[a.buffer]) for a in graph.accesses if a.buffer in index})
+    return MemorySpec(np.array(sizes, dtype=float), reads, np.zeros(0), names)
+
+
+def activation_peak(graph: KernelGraph) -> float:
+    """Bytes of the largest single-kernel working set of activations, inputs and outputs."""
+    per_kernel: dict[int, float] = defaultdict(float)
+    for a in graph.accesses:
+        if graph.buffers[a.buffer].kind in ("activation", "input", "output"):
+            per_kernel[a.kernel] += float(np.prod(a.sizes)) * a.itemsize if a.sizes else a.itemsize
+    return max(per_kernel.values(), default=0.0)
+
+
+def build_step_problem(graph: KernelGraph, targets: list[Target], cluster: Cluster, *, micro_batches: int = 1,
+                       options: CostOptions = CostOptions(), profile: Profile | None = None,
+                       routing_skew: float = 0.0, memory: bool = True, state_scale: float = 1.0) -> StepProblem:
+    """The placement problem of one step (``graph`` traced at the micro-batch size) over ``targets``."""
+    features = FeatureExtractor(graph, options).all()
+    routing = _routing(graph, routing_skew)
+    times = np.stack([target_times(graph, features, t, options, profile, routing) for t in targets], axis=1)
+    d = len(targets)
+    bandwidth, latency = np.full((d, d), np.inf), np.zeros((d, d))
+    for i, a in enumerate(targets):
+        for j, b in enumerate(targets):
+            if i != j:
+                link = link_between(cluster, a, b)
+                bandwidth[i, j], latency[i, j] = link.bandwidth, link.latency_s
+    edges = data_edges(graph)
+    reserve = activation_peak(graph) * micro_batches
+    spec = None
+    if memory:
+        spec = memory_items(graph, options, micro_batches, state_scale)
+        spec.capacity = np.array([max(t.memory_bytes - reserve, 0.0) for t in targets])
+    problem = PlacementProblem([t.name for t in targets], times, edges, bandwidth, latency,
+                               together=colocation(graph, edges), micro_batches=micro_batches, memory=spec)
+    return StepProblem(graph, targets, problem, features, reserve)
+
+
+def _routing(graph: KernelGraph, skew: float) -> RoutingDistribution | None:
+    """The routing distribution of an MoE model's experts, read off its first grouped expert GEMM
+    (experts from the weight, top-k from routed rows per token); None for dense models."""
+    from tessera.cost.features import cost_class
+
+    tokens = int(graph.meta.get("batch", 1)) * int(graph.meta.get("seq", 1))
+    for k in graph.kernels:
+        if cost_class(k) == "grouped_gemm" and len(k.shapes) > 1 and len(k.shapes[1]) == 3:
+            experts, rows = k.shapes[1][0], k.shapes[0][0]
+            return RoutingDistribution(experts, max(1, min(experts, rows // max(tokens, 1))), skew)
+    return None

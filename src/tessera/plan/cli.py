@@ -1,0 +1,152 @@
+"""`tessera plan`: solve one policy's deployment plan, or compare every policy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from tessera import cli_options as opt
+from tessera.console import err as _err
+from tessera.console import fail as _fail
+from tessera.console import out as _out
+from tessera.errors import TesseraError
+
+DEFAULT_WORKLOAD = "fixed:in=1024,out=1024,requests=192"
+
+
+def _ms(t: float) -> str:
+    return f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"
+
+
+def plan(
+    model: str = opt.MODEL,
+    cluster: str = typer.Option(..., "--cluster", help="Devices: shorthand such as A100:1,L40S:1 or a cluster "
+                                "YAML file (see `tessera devices --cluster`)."),
+    workload: str = typer.Option(None, "--workload", "-w", help="fixed:in=..,out=..,requests=.. | "
+                                 "poisson:rate=..,lengths=azure-conv|FILE | images:steps=..,resolution=.. "
+                                 f"(default {DEFAULT_WORKLOAD}; images:steps=28,resolution=1024 for diffusion)."),
+    max_batch: int = typer.Option(None, "--max-batch", help="Most sequences (images) in flight per replica "
+                                  "(default 64; 4 for diffusion; at most the requests of a fixed workload)."),
+    policy: str = typer.Option("tessera", "--policy", help="homogeneous | request-dist | prefill-decode | "
+                               "attention-ffn | layer-pipeline | tessera."),
+    device: str = typer.Option(None, "--device", "-d", help="homogeneous: the device type (default: the only one)."),
+    objective: str = typer.Option("throughput", "--objective", help="throughput | latency."),
+    compare: bool = typer.Option(False, "--compare", help="Solve and list every policy."),
+    output: Path = typer.Option(None, "--output", "-o", help="Write the plan (JSON) here; a placement PNG is "
+                                "written beside it (default with --compare: tessera-plan.json)."),
+    prices: str = typer.Option("relative", "--prices", help="relative (published relative prices) or "
+                               "cloud_usd (estimated $/h)."),
+    weights_dtype: str = opt.WEIGHTS_DTYPE,
+    kv_dtype: str = opt.KV_DTYPE,
+    skew: float = typer.Option(0.0, "--routing-skew", help="MoE routing skew (Zipf exponent; 0 = uniform)."),
+    as_json: bool = opt.JSON,
+) -> None:
+    """Plan a deployment: place every kernel on the device type that suits it (or solve a baseline policy)."""
+    from tessera.cost.options import CostOptions
+    from tessera.hardware.cluster import parse_cluster
+    from tessera.plan.context import PlanContext
+    from tessera.plan.figure import placement_figure
+    from tessera.plan.planner import compare as compare_all
+    from tessera.plan.planner import plan_policy
+    from tessera.plan.policies import check_policy
+    from tessera.plan.problem import OBJECTIVES
+    from tessera.plan.steps import add_objective_steps
+    from tessera.workload import parse_workload
+
+    try:
+        check_policy(policy)
+        if objective not in OBJECTIVES:
+            raise TesseraError(f"--objective must be one of {', '.join(OBJECTIVES)} (got {objective!r})")
+        if prices not in ("relative", "cloud_usd"):
+            raise TesseraError(f"--prices must be relative or cloud_usd (got {prices!r})")
+        if max_batch is not None and max_batch < 1:
+            raise TesseraError(f"--max-batch must be at least 1 (got {max_batch})")
+        from tessera.capture.models import resolve_model
+
+        family = resolve_model(model).family
+        text = workload or ("images:steps=28,resolution=1024" if family == "diffusion" else DEFAULT_WORKLOAD)
+        wl = parse_workload(text)
+        cl = parse_cluster(cluster)
+        ctx = PlanContext(model, cl, wl, text, max_batch, CostOptions(weights_dtype, kv_dtype), routing_skew=skew,
+                          price_scenario=prices, progress=lambda s: _err.print(f"[dim]{s}[/]"))
+        _err.print(f"[dim]planning {model} on {cl.describe()} for {text}[/]")
+        if compare:
+            plans = compare_all(ctx, objective)
+            chosen = plans[-1]
+        else:
+            chosen = plan_policy(ctx, policy, objective, device)
+            plans = [chosen]
+        other = "latency" if objective == "throughput" else "throughput"
+        if chosen.applicable and chosen.feasible:
+            add_objective_steps(ctx, chosen, other)
+        if compare and output is None:
+            output = Path("tessera-plan.json")
+        figure = None
+        if output is not None and chosen.applicable and chosen.steps:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            chosen.save(output)
+            if "replicas" not in chosen.extra:  # request distribution has no kernel split to draw
+                figure = placement_figure(ctx, chosen, output.with_suffix(".png"))
+    except TesseraError as e:
+        _fail(e)
+    if as_json:
+        print(json.dumps([p.summary() for p in plans], indent=2))
+        return
+    _table(plans, ctx, objective)
+    if chosen.applicable and chosen.feasible and chosen.extra.get(f"{other}_plan"):
+        o = chosen.extra[f"{other}_plan"]
+        _out.print(f"{other} step plans in the same residency: {o['throughput']:,.0f} {chosen.unit}, "
+                   f"{_ms(o['latency_s'])} per {'image' if chosen.unit == 'images/s' else 'output token'}")
+    if output is not None and chosen.steps:
+        drawn = f"; placement figure: {figure}" if figure else " (request distribution: no kernel split to draw)"
+        _out.print(f"plan ({chosen.policy}) written to {output}{drawn}")
+
+
+def _table(plans, ctx, objective: str) -> None:
+    unit = plans[0].unit
+    cost = "$/h" if ctx.price_scenario == "cloud_usd" else "cost/h (rel.)"
+    title = (f"{ctx.model} on {ctx.cluster.describe()}, {ctx.workload_text}, objective {objective} "
+             "- predicted by the cost model")
+    table = Table(title=title)
+    for col in ("policy", unit, cost, f"{unit} per cost", "latency/token" if unit == "tokens/s" else "latency/image",
+                "TTFT" if unit == "tokens/s" else "", "memory per device (GB)", "M", "notes"):
+        if col:
+            table.add_column(col, justify="left" if col in ("policy", "notes") else "right")
+    best = max((p.throughput for p in plans if p.applicable and p.feasible), default=0.0)
+    for p in plans:
+        name = p.policy + (f" ({p.device})" if p.device else "")
+        if not p.applicable:
+            cells = ["n/a"] * 5
+            cells.append("")
+            cells.append("")
+            row = [name, *cells[:4]] + ([cells[4]] if unit == "tokens/s" else []) + ["", "", f"not applicable: {p.reason}"]
+            table.add_row(*row)
+            continue
+        decode = next((s for s in p.steps if s.objective == objective and s.repeats > 1), None)
+        mem = ", ".join(f"{t} {b / 1e9:.1f}" for t, b in zip(p.targets, p.memory_bytes, strict=False))
+        shown = "[bold]" if p.throughput == best and p.feasible else ""
+        row = [name, f"{shown}{p.throughput:,.1f}" if p.feasible else "does not fit", f"{p.cost_per_hour:.2f}",
+               f"{p.throughput_per_cost:,.1f}" if p.feasible else "-", _ms(p.latency_s)]
+        if unit == "tokens/s":
+            row.append(_ms(p.ttft_s))
+        notes = p.reason
+        if p.replicas > 1:
+            notes = f"{p.replicas} replicas; " + notes
+        row += [mem, str(decode.micro_batches) if decode else "-", notes]
+        table.add_row(*row)
+    _out.print(table)
+    tess = plans[-1]
+    base = [p for p in plans[:-1] if p.applicable and p.feasible]
+    if len(plans) > 1 and tess.policy == "tessera" and base and tess.feasible:
+        top = max(base, key=lambda p: p.throughput)
+        margin = tess.throughput / top.throughput - 1
+        verdict = (f"ties {top.policy}" if margin < 1e-6 else f"+{margin:.1%} over {top.policy}")
+        _out.print(f"tessera vs the best baseline: {verdict} (bound: {tess.bound})")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the plan command to the main CLI."""
+    app.command()(plan)

@@ -1,0 +1,276 @@
+"""What one planning run works from: the model's phases for a workload, their traced graphs and step
+problems (cached per shape and target set), and how a set of per-phase assignments becomes a
+DeploymentPlan (exact re-evaluation, memory on the union of phases, state moves, the per-request
+throughput model of :mod:`tessera.plan.deployment`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tessera.capture.models import resolve_model
+from tessera.cost.features import is_kv_buffer
+from tessera.cost.options import CostOptions
+from tessera.cost.profile import Profile
+from tessera.errors import TesseraError
+from tessera.graph.ir import KernelGraph
+from tessera.graph.layers import LayerStructureError, layer_structure
+from tessera.hardware.cluster import Cluster
+from tessera.plan.build import StepProblem, build_step_problem
+from tessera.plan.deployment import DeploymentPlan, StateMove, StepPlan
+from tessera.plan.evaluate import evaluate
+from tessera.plan.fold import Merged, fold_groups, merge
+from tessera.plan.problem import MICRO_BATCHES
+from tessera.plan.targets import Target, link_between
+from tessera.workload import FixedWorkload, ImagesWorkload, PoissonWorkload, Workload
+
+DEFAULT_MAX_BATCH = {"diffusion": 4}
+DEFAULT_MAX_BATCH_LLM = 64
+
+
+class PlanningError(TesseraError):
+    """A workload that does not fit the model, or a planning request that cannot be met."""
+
+
+@dataclass(frozen=True)
+class PhaseSpec:
+    """One phase of serving a request: its step shape and how often a request needs it."""
+
+    phase: str
+    batch: int  # rows per step (requests or images)
+    seq: int | None
+    ctx: int | None
+    resolution: str | None
+    repeats: float  # steps per request
+    micro_batched: bool  # may run as M > 1 micro-batches
+    state_scale: float = 1.0  # state bytes resident per traced state byte (cache capacity / traced ctx)
+
+    @property
+    def rows(self) -> int:
+        return self.batch
+
+
+def workload_phases(family: str, workload: Workload, max_batch: int | None) -> tuple[list[PhaseSpec], float, str]:
+    """The phases a request goes through, the outputs per request and their unit."""
+    if family == "diffusion":
+        if not isinstance(workload, ImagesWorkload):
+            raise PlanningError("a diffusion model serves image requests; use a workload such as "
+                                "images:steps=28,resolution=1024")
+        b = max_batch or DEFAULT_MAX_BATCH["diffusion"]
+        res = f"{workload.resolution[0]}x{workload.resolution[1]}"
+        return ([PhaseSpec("encode", 1, None, None, None, 1.0, False),
+                 PhaseSpec("step", b, None, None, res, float(workload.steps), True),
+                 PhaseSpec("decode", 1, None, None, res, 1.0, False)], 1.0, "images/s")
+    if isinstance(workload, ImagesWorkload):
+        raise PlanningError(f"a {family} model serves text requests; use a workload such as "
+                            "fixed:in=1024,out=1024,requests=192 or poisson:rate=4,lengths=azure-conv")
+    if isinstance(workload, FixedWorkload):
+        n_in, n_out = workload.input, workload.output
+    else:
+        assert isinstance(workload, PoissonWorkload)
+        med_in, med_out = workload.lengths.median
+        n_in, n_out = max(1, round(med_in)), max(1, round(med_out))
+    b = max_batch or DEFAULT_MAX_BATCH_LLM
+    if isinstance(workload, FixedWorkload) and max_batch is None:
+        b = min(b, workload.requests)
+    ctx_avg = n_in + n_out // 2  # decode reads the cache at the mean context of a request's life
+    phases = [PhaseSpec("prefill", 1, n_in, n_in, None, 1.0, False),
+              PhaseSpec("decode", b, None, ctx_avg, None, float(n_out), True, (n_in + n_out) / ctx_avg)]
+    if family == "vlm":
+        phases.insert(0, PhaseSpec("encode", 1, None, None, None, 1.0, False))
+    return phases, float(n_out), "tokens/s"
+
+
+@dataclass
+class PlanContext:
+    """One planning run: model, cluster, workload, cost options and caches of graphs and step problems."""
+
+    model: str
+    cluster: Cluster
+    workload: Workload
+    workload_text: str
+    max_batch: int | None = None
+    options: CostOptions = field(default_factory=CostOptions)
+    profile: Profile | None = None
+    routing_skew: float = 0.0
+    price_scenario: str = "relative"
+    fold_chunks: int = 4
+    gap: float = 0.005
+    time_limit_s: float = 20.0
+    progress: Any = None  # callable(str) for progress lines, or None
+
+    def __post_init__(self) -> None:
+        self.spec = resolve_model(self.model)
+        self.phases, self.outputs_per_request, self.unit = workload_phases(self.spec.family, self.workload,
+                                                                           self.max_batch)
+        self._graphs: dict[tuple, KernelGraph] = {}
+        self._problems: dict[tuple, StepProblem] = {}
+        self._folded: dict[tuple, Merged] = {}
+
+    @property
+    def batch(self) -> int:
+        """Sequences (images) in flight in the whole deployment."""
+        return self.main_phase.batch
+
+    def for_batch(self, batch: int) -> PlanContext:
+        """The same run with ``batch`` in flight (a replica's share), sharing the caches."""
+        if batch == self.batch:
+            return self
+        child = PlanContext(self.model, self.cluster, self.workload, self.workload_text, batch, self.options,
+                            self.profile, self.routing_skew, self.price_scenario, self.fold_chunks, self.gap,
+                            self.time_limit_s, self.progress)
+        child._graphs, child._problems, child._folded = self._graphs, self._problems, self._folded
+        return child
+
+    def say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress(text)
+
+    @property
+    def main_phase(self) -> PhaseSpec:
+        """The phase a request repeats most (decode; denoising steps)."""
+        return max(self.phases, key=lambda p: p.repeats)
+
+    def micro_batch_options(self, phase: PhaseSpec, minimum: int = 1) -> list[int]:
+        """M values this phase can use: the batch splits evenly into M micro-batches."""
+        if not phase.micro_batched:
+            return [1] if minimum <= 1 else []
+        return [m for m in MICRO_BATCHES if m >= minimum and phase.batch % m == 0]
+
+    def graph(self, phase: PhaseSpec, micro_batches: int = 1) -> KernelGraph:
+        """The phase's graph traced at the micro-batch size (cached)."""
+        from tessera.capture.api import trace_model
+
+        key = (phase.phase, phase.batch // micro_batches, phase.seq, phase.ctx, phase.resolution)
+        if key not in self._graphs:
+            self.say(f"tracing {self.model} {phase.phase} (batch {key[1]})")
+            self._graphs[key] = trace_model(self.model, phase.phase, batch=key[1], seq=phase.seq, ctx=phase.ctx,
+                                            resolution=phase.resolution)
+        return self._graphs[key]
+
+    def step_problem(self, phase: PhaseSpec, targets: list[Target], micro_batches: int = 1) -> StepProblem:
+        """The phase's unfolded placement problem over ``targets`` (cached)."""
+        key = (phase.phase, phase.batch, micro_batches, tuple(t.members for t in targets))
+        if key not in self._problems:
+            graph = self.graph(phase, micro_batches)
+            sp = build_step_problem(graph, targets, self.cluster, micro_batches=micro_batches, options=self.options,
+                                    profile=self.profile, routing_skew=self.routing_skew,
+                                    state_scale=phase.state_scale)
+            self._problems[key] = sp
+        return self._problems[key]
+
+    def folded(self, phase: PhaseSpec, targets: list[Target], micro_batches: int = 1) -> Merged:
+        """The phase's problem with identical layers folded into ``fold_chunks`` runs per class (cached)."""
+        key = (phase.phase, phase.batch, micro_batches, tuple(t.members for t in targets))
+        if key not in self._folded:
+            sp = self.step_problem(phase, targets, micro_batches)
+            try:
+                groups = fold_groups(layer_structure(sp.graph), sp.problem.kernels, self.fold_chunks)
+            except LayerStructureError:  # layers of several stacks interleave (e.g. text encoders): no folding
+                groups = [[k] for k in range(sp.problem.kernels)]
+            self._folded[key] = merge(sp.problem, groups)
+        return self._folded[key]
+
+    # -----------------------------------------------------------------------------------------------------
+    # From per-phase assignments to a DeploymentPlan
+
+    def assemble(self, policy: str, targets: list[Target], replicas: int,
+                 chosen: list[tuple[PhaseSpec, int, tuple[int, ...], dict]], objective: str = "throughput",
+                 device: str | None = None, reason: str = "") -> DeploymentPlan:
+        """The deployment of per-phase (phase, M, unfolded assignment, solver info), re-evaluated exactly."""
+        steps, evaluations, problems = [], [], []
+        for phase, m, assignment, info in chosen:
+            sp = self.step_problem(phase, targets, m)
+            ev = evaluate(sp.problem, assignment)
+            problems.append((phase, sp, assignment))
+            evaluations.append(ev)
+            steps.append(StepPlan(phase.phase, objective, phase.batch, m, phase.repeats, phase.rows, sp.graph.hash,
+                                  [int(x) for x in assignment], ev.cycle_s, ev.critical_path_s, list(ev.busy_s),
+                                  [list(r) for r in ev.link_s], ev.cut_edges, ev.cut_bytes, dict(info)))
+        residency, item_bytes = self._residency(problems)
+        moves = self._state_moves(problems, targets)
+        d = len(targets)
+        memory = np.zeros(d)
+        for name, where in residency.items():
+            for t in where:
+                memory[t] += item_bytes[name]
+        memory += max(sp.activation_reserve for _, sp, _ in problems)
+        capacity = [t.memory_bytes for t in targets]
+        loads = np.zeros(d)
+        links = np.zeros((d, d))
+        phase_bound = 0.0
+        for step in steps:
+            loads += np.array(step.busy_s) * step.per_request
+            links += np.array(step.link_s) * step.per_request
+            phase_bound = max(phase_bound, step.cycle_s * step.per_request)
+        for mv in moves:
+            links[mv.src, mv.dst] += mv.seconds_per_request
+        t_req = max(loads.max(), links.max(), phase_bound)
+        bound = ("compute on " + targets[int(loads.argmax())].name if t_req == loads.max() else
+                 "link" if t_req == links.max() else "dependencies")
+        main = next(s for s in steps if s.phase == self.main_phase.phase)
+        used = sorted({t for s in steps for t in s.assignment})
+        plan = DeploymentPlan(
+            model=self.model, cluster=self.cluster.describe(), workload=self.workload_text, policy=policy,
+            applicable=True, reason=reason, feasible=bool((memory <= np.array(capacity) * (1 + 1e-9)).all()),
+            targets=[t.name for t in targets], replicas=replicas, device=device,
+            residency={k: sorted(v) for k, v in residency.items()}, memory_bytes=memory.tolist(),
+            memory_capacity=capacity, steps=steps, state_moves=moves, unit=self.unit, request_time_s=float(t_req),
+            price_scenario=self.price_scenario, bound=bound)
+        plan.throughput = replicas * self.outputs_per_request / t_req if t_req > 0 else 0.0
+        plan.cost_per_hour = replicas * sum(targets[t].price(self.price_scenario) for t in used)
+        before_main = [s for s in steps if self._order(s.phase) < self._order(main.phase)]
+        after_main = [s for s in steps if self._order(s.phase) > self._order(main.phase)]
+        move_s = sum(mv.seconds_per_request for mv in moves)
+        if self.unit == "images/s":
+            plan.latency_s = (sum(s.critical_path_s for s in before_main + after_main) + main.repeats * main.cycle_s)
+            plan.ttft_s = plan.latency_s
+        else:
+            plan.latency_s = main.cycle_s if objective == "throughput" else main.critical_path_s
+            plan.ttft_s = sum(s.critical_path_s for s in before_main) + move_s
+        if not plan.feasible:
+            over = [f"{targets[i].name} needs {(memory[i] - capacity[i]) / 1e9:.1f} GB more "
+                    f"({memory[i] / 1e9:.1f} of {capacity[i] / 1e9:.1f} GB)" for i in range(d) if memory[i] > capacity[i]]
+            plan.reason = (plan.reason + "; " if plan.reason else "") + "does not fit: " + ", ".join(over)
+        return plan
+
+    def _order(self, phase: str) -> int:
+        return [p.phase for p in self.phases].index(phase)
+
+    @staticmethod
+    def _residency(problems) -> tuple[dict[str, set[int]], dict[str, float]]:
+        """Items (by buffer name) and the targets holding them, over all phases; bytes the largest seen."""
+        where: dict[str, set[int]] = {}
+        size: dict[str, float] = {}
+        for _, sp, assignment in problems:
+            mem = sp.problem.memory
+            if mem is None:
+                continue
+            for k, w in mem.reads:
+                name = mem.item_names[w]
+                where.setdefault(name, set()).add(int(assignment[k]))
+                size[name] = max(size.get(name, 0.0), float(mem.item_bytes[w]))
+        return where, size
+
+    def _state_moves(self, problems, targets: list[Target]) -> list[StateMove]:
+        """State written by an earlier phase on one target and used by a later phase on another."""
+        holder: dict[str, tuple[int, float]] = {}
+        moves = []
+        for phase, sp, assignment in problems:
+            graph = sp.graph
+            touched: dict[str, int] = {}
+            for a in graph.accesses:
+                if a.buffer in graph.state and a.buffer not in touched:
+                    touched[a.buffer] = int(assignment[a.kernel])
+            for name, t in touched.items():
+                if name in holder and holder[name][0] != t:
+                    src, nbytes = holder[name]
+                    link = link_between(self.cluster, targets[src], targets[t])
+                    moves.append(StateMove(name, src, t, nbytes, link.transfer_time(int(nbytes))))
+                if name not in holder:
+                    b = graph.buffers[name]
+                    scale = self.options.kv_scale(b.dtype) if is_kv_buffer(name) else 1.0
+                    holder[name] = (t, b.nbytes * scale * (phase.batch and 1 / phase.batch))
+        return moves

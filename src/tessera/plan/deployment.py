@@ -1,0 +1,166 @@
+"""Deployment plans: where weights and state live, the step plans that share it, and what they achieve.
+
+A deployment serves requests through phases (prefill and decode; encode for images; denoising steps
+for diffusion). Each phase has a step plan per objective: every kernel's target, the micro-batch count
+M and the step's evaluation. The throughput model is per request: each resource (a target's compute,
+a directed link) spends ``repeats / rows`` of a phase's cycle load per request (a decode cycle serves
+``rows`` = batch requests one token each; a request takes ``out`` of them), plus explicit state moves;
+a phase also cannot run faster than its own cycle. So a request costs
+
+    T = max(max over resources of the summed per-request load, max over phases of repeats/rows x cycle)
+
+seconds of the deployment, ``replicas`` copies serve in parallel, and the throughput is
+``replicas x out / T`` tokens/s (images/s for diffusion). Phases placed on disjoint targets overlap
+(prefill-decode disaggregation); phases sharing a target add up on it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tessera.errors import TesseraError
+
+PLAN_VERSION = 1
+
+
+class PlanFileError(TesseraError):
+    """A plan file that cannot be read, or that was made for another graph, cluster or model."""
+
+
+@dataclass(frozen=True)
+class StateMove:
+    """An explicit copy of a state buffer between phases' targets, per request (e.g. KV after prefill)."""
+
+    buffer: str
+    src: int  # target index
+    dst: int
+    bytes_per_request: float
+    seconds_per_request: float
+
+
+@dataclass
+class StepPlan:
+    """One phase's placement under one objective: kernel -> target, M, and the evaluated costs."""
+
+    phase: str
+    objective: str
+    batch: int  # sequences (images) per step
+    micro_batches: int
+    repeats: float  # steps of this phase per request
+    rows: int  # requests served per cycle
+    graph_hash: str  # of the graph traced at the micro-batch size
+    assignment: list[int]  # per kernel of that graph, the target index
+    cycle_s: float
+    critical_path_s: float
+    busy_s: list[float]  # per target, per cycle
+    link_s: list[list[float]]  # per directed target pair, per cycle
+    cut_edges: int
+    cut_bytes: float
+    solver: dict[str, Any] = field(default_factory=dict)  # how it was found: method, gap, bound, seconds
+
+    @property
+    def per_request(self) -> float:
+        return self.repeats / self.rows
+
+
+@dataclass
+class DeploymentPlan:
+    """A policy's deployment of a model on a cluster for a workload."""
+
+    model: str
+    cluster: str
+    workload: str
+    policy: str
+    applicable: bool
+    reason: str = ""  # why not applicable / not feasible; or notes (ties)
+    feasible: bool = True
+    targets: list[str] = field(default_factory=list)
+    replicas: int = 1
+    device: str | None = None  # homogeneous: the device type
+    residency: dict[str, list[int]] = field(default_factory=dict)  # item (weight/state) -> target indices
+    memory_bytes: list[float] = field(default_factory=list)  # per target: resident items + activations
+    memory_capacity: list[float] = field(default_factory=list)
+    steps: list[StepPlan] = field(default_factory=list)
+    state_moves: list[StateMove] = field(default_factory=list)
+    throughput: float = 0.0  # tokens/s (images/s for diffusion), all replicas
+    unit: str = "tokens/s"
+    request_time_s: float = 0.0
+    latency_s: float = 0.0  # time per output token (decode cycle); one image for diffusion
+    ttft_s: float = 0.0
+    cost_per_hour: float = 0.0
+    price_scenario: str = "relative"
+    bound: str = ""  # what limits throughput
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def throughput_per_cost(self) -> float:
+        return self.throughput / self.cost_per_hour if self.cost_per_hour > 0 else 0.0
+
+    def step(self, phase: str, objective: str = "throughput") -> StepPlan | None:
+        """The step plan of ``phase`` under ``objective`` (None if the deployment has none)."""
+        return next((s for s in self.steps if s.phase == phase and s.objective == objective), None)
+
+    def summary(self) -> dict[str, Any]:
+        """The per-policy entry of ``tessera plan --json``."""
+        decode = next((s for s in self.steps if s.objective == "throughput" and s.repeats > 1), None)
+        return {"policy": self.policy, "device": self.device, "applicable": self.applicable,
+                "feasible": self.feasible, "reason": self.reason, "throughput": self.throughput,
+                "unit": self.unit, "cost_per_hour": self.cost_per_hour, "price_scenario": self.price_scenario,
+                "throughput_per_cost": self.throughput_per_cost, "latency_s": self.latency_s,
+                "ttft_s": self.ttft_s, "replicas": self.replicas, "targets": self.targets,
+                "micro_batches": decode.micro_batches if decode else None,
+                "memory_gb": [round(b / 1e9, 3) for b in self.memory_bytes], "bound": self.bound}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan file's JSON form."""
+        d = asdict(self)
+        d["version"] = PLAN_VERSION
+        return d
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as JSON."""
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=1, default=_json_default))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> DeploymentPlan:
+        """Read a plan file (clear errors for unreadable or incompatible files)."""
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except OSError as e:
+            raise PlanFileError(f"plan file {path}: cannot read it ({e.strerror})") from None
+        except json.JSONDecodeError as e:
+            raise PlanFileError(f"plan file {path}: not JSON ({e})") from None
+        if not isinstance(d, dict) or d.get("version") != PLAN_VERSION:
+            raise PlanFileError(f"plan file {path}: not a Tessera plan of version {PLAN_VERSION}; make it again "
+                                "with `tessera plan ... -o FILE`")
+        d.pop("version")
+        try:
+            steps = [StepPlan(**s) for s in d.pop("steps")]
+            moves = [StateMove(**m) for m in d.pop("state_moves")]
+            return cls(**d, steps=steps, state_moves=moves)
+        except (TypeError, KeyError) as e:
+            raise PlanFileError(f"plan file {path}: missing or unknown fields ({e})") from None
+
+    def check_graph(self, phase: str, graph_hash: str, objective: str = "throughput") -> StepPlan:
+        """The step plan for ``phase`` if it was made for the graph with ``graph_hash``, else a clear error."""
+        step = self.step(phase, objective)
+        if step is None:
+            raise PlanFileError(f"the plan ({self.policy} for {self.model}) has no {objective} step plan for "
+                                f"phase {phase!r}; it has: {', '.join(sorted({s.phase for s in self.steps}))}")
+        if step.graph_hash != graph_hash:
+            raise PlanFileError(f"the plan's {phase} step was made for graph {step.graph_hash[:12]}, not for this "
+                                f"graph ({graph_hash[:12]}): a different model, shape or batch; plan again for it")
+        return step
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    raise TypeError(f"cannot write {type(value).__name__} to a plan file")

@@ -1,0 +1,416 @@
+"""The deployment policies, each a constrained instance of the same placement problem and evaluator.
+
+* ``homogeneous``: one device type alone (its GPUs as replicas or one sharded group, whichever is best).
+* ``request-dist``: every device type serves its own replicas; requests are routed in proportion to
+  speed, so throughputs add.
+* ``prefill-decode``: the prompt phases on one target, the repeated phase on another, the state (KV
+  cache) copied between them per request.
+* ``attention-ffn``: attention kernels on one target, MLP/expert kernels on the other, M >= 2
+  micro-batches ping-ponging; the remaining kernels (norms, embeddings, head) placed by the solver.
+* ``layer-pipeline``: contiguous layer ranges per target in a device order, sized by exhaustive search
+  over every split point.
+* ``tessera``: kernel placement by the MILP over folded layers (with per-run differences), over
+  replica counts and M, each phase restricted to where the main phase keeps its weights; its search
+  space contains every baseline above (they are offered as candidates and warm starts), so it never
+  loses on the model, and its plan names the baseline it ties when one is as good.
+
+Every policy optimises its own knobs (device choice, replicas, M, orientation, split points).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+
+from tessera.cost.features import block_of
+from tessera.errors import TesseraError
+from tessera.graph.layers import layer_structure
+from tessera.plan.context import PhaseSpec, PlanContext, PlanningError
+from tessera.plan.deployment import DeploymentPlan
+from tessera.plan.evaluate import evaluate
+from tessera.plan.fold import layer_groups, merge
+from tessera.plan.milp import SolverError, solve_placement
+from tessera.plan.problem import PlacementProblem
+from tessera.plan.targets import Target, cluster_targets, replica_counts
+
+POLICIES = ("homogeneous", "request-dist", "prefill-decode", "attention-ffn", "layer-pipeline", "tessera")
+NOT_APPLICABLE = {
+    ("prefill-decode", "diffusion"): "a diffusion model has no prefill and decode phases",
+    ("attention-ffn", "ssm"): "an SSM has no attention kernels to separate from its MLP",
+    ("attention-ffn", "diffusion"): "a diffusion transformer's blocks are not split into attention and FFN "
+                                    "halves that ping-pong between devices",
+}
+MAX_PIPELINE_CANDIDATES = 200_000
+
+Chosen = list[tuple[PhaseSpec, int, tuple[int, ...], dict]]
+
+
+class PolicyError(TesseraError, ValueError):
+    """An unknown policy, or a device that the cluster does not have."""
+
+
+def check_policy(policy: str) -> str:
+    """The policy name, checked against the list."""
+    if policy not in POLICIES:
+        raise PolicyError(f"unknown policy {policy!r}; policies: {', '.join(POLICIES)}")
+    return policy
+
+
+def applicability(ctx: PlanContext, policy: str) -> str | None:
+    """Why ``policy`` does not apply to this model and cluster (None when it applies)."""
+    reason = NOT_APPLICABLE.get((policy, ctx.spec.family))
+    if reason:
+        return reason
+    types = ctx.cluster.types()
+    if policy in ("prefill-decode", "attention-ffn", "layer-pipeline") and len(types) < 2:
+        return f"it splits a model over two device types and the cluster has one ({ctx.cluster.describe()})"
+    if policy == "request-dist" and len(types) < 2:
+        return f"the cluster has one device type: request distribution is the homogeneous plan ({ctx.cluster.describe()})"
+    return None
+
+
+def _better(a: DeploymentPlan | None, b: DeploymentPlan | None, objective: str) -> DeploymentPlan | None:
+    """The better of two plans: feasible first, then throughput (or latency, then throughput)."""
+    if a is None or b is None:
+        return a or b
+    if a.feasible != b.feasible:
+        return a if a.feasible else b
+    if objective == "latency":
+        ka, kb = (a.latency_s, -a.throughput), (b.latency_s, -b.throughput)
+        return a if ka <= kb else b
+    return a if a.throughput >= b.throughput * (1 - 1e-12) else b
+
+
+def _best(plans, objective: str) -> DeploymentPlan | None:
+    best = None
+    for p in plans:
+        best = _better(best, p, objective)
+    return best
+
+
+def _everywhere(ctx: PlanContext, targets: list[Target], target: int, ms: dict[str, int] | None = None) -> Chosen:
+    """Every phase's kernels on one target (M = 1 unless given)."""
+    out = []
+    for ph in ctx.phases:
+        m = (ms or {}).get(ph.phase, 1)
+        k = ctx.step_problem(ph, targets, m).problem.kernels
+        out.append((ph, m, (target,) * k, {"method": "fixed"}))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Baselines
+
+def homogeneous(ctx: PlanContext, objective: str, device: str | None = None) -> DeploymentPlan:
+    """One device type alone: all its GPUs, as replicas or one sharded group, whichever is best."""
+    types = ctx.cluster.types()
+    if device is None:
+        if len(types) > 1:
+            raise PolicyError(f"homogeneous needs --device: the cluster has {', '.join(types)}")
+        device = next(iter(types))
+    from tessera.hardware.catalog import canonical_id
+
+    rid = canonical_id(device) if device not in types else device
+    if rid not in types:
+        raise PolicyError(f"--device {device}: the cluster has no {rid}; it has {', '.join(types)}")
+    plans = []
+    for r in replica_counts(ctx.cluster, [rid]):
+        rctx = _replica(ctx, r)
+        targets = cluster_targets(ctx.cluster, r, [rid])
+        plans.append(rctx.assemble("homogeneous", targets, r, _everywhere(rctx, targets, 0), objective, device=rid))
+    return _best(plans, objective)
+
+
+def _replica(ctx: PlanContext, replicas: int) -> PlanContext:
+    """The context of one of ``replicas`` replicas: the deployment's batch split evenly between them."""
+    return ctx.for_batch(max(1, ctx.batch // replicas))
+
+
+def request_dist(ctx: PlanContext, objective: str) -> DeploymentPlan:
+    """Each device type runs its own best homogeneous replicas; throughputs add, requests split by speed."""
+    types = list(ctx.cluster.types())
+    parts = [homogeneous(ctx, "throughput", rid) for rid in types]
+    fitting = [p for p in parts if p.feasible]
+    if len(fitting) > 1:  # the deployment's batch is shared: each type gets rows in proportion to its speed
+        total = sum(p.throughput for p in fitting)
+        shares = {p.device: max(1, round(ctx.batch * p.throughput / total)) for p in fitting}
+        parts = [homogeneous(ctx.for_batch(shares[p.device]), "throughput", p.device) if p.feasible else p
+                 for p in parts]
+        fitting = [p for p in parts if p.feasible]
+    if not fitting:
+        plan = parts[0]
+        plan.policy = "request-dist"
+        plan.reason = "no device type holds a replica: " + "; ".join(f"{p.device}: {p.reason}" for p in parts)
+        return plan
+    plan = DeploymentPlan(
+        model=ctx.model, cluster=ctx.cluster.describe(), workload=ctx.workload_text, policy="request-dist",
+        applicable=True, feasible=True, targets=[t for p in fitting for t in p.targets],
+        replicas=sum(p.replicas for p in fitting), memory_bytes=[b for p in fitting for b in p.memory_bytes],
+        memory_capacity=[b for p in fitting for b in p.memory_capacity], unit=ctx.unit,
+        throughput=sum(p.throughput for p in fitting), cost_per_hour=sum(p.cost_per_hour for p in fitting),
+        price_scenario=ctx.price_scenario, latency_s=max(p.latency_s for p in fitting),
+        ttft_s=max(p.ttft_s for p in fitting), bound="compute on every replica",
+        reason=", ".join(f"{p.device}: {p.throughput / sum(q.throughput for q in fitting):.0%} of requests"
+                         for p in fitting) + ("" if len(fitting) == len(parts) else "; left out (no fit): " +
+                                              ", ".join(p.device for p in parts if not p.feasible)))
+    offset = 0
+    for p in fitting:
+        for s in p.steps:
+            s.solver = dict(s.solver, replica_of=p.device, target_offset=offset)
+            plan.steps.append(s)
+        offset += len(p.targets)
+    plan.extra["replicas"] = [p.summary() for p in fitting]
+    return plan
+
+
+def prefill_decode(ctx: PlanContext, objective: str) -> DeploymentPlan:
+    """The prompt phases on one target, the repeated phase on another; state copied per request."""
+    plans = []
+    for r in replica_counts(ctx.cluster):
+        rctx = _replica(ctx, r)
+        main = rctx.main_phase
+        targets = cluster_targets(ctx.cluster, r)
+        for a, b in itertools.permutations(range(len(targets)), 2):
+            chosen = []
+            for ph in rctx.phases:
+                k = rctx.step_problem(ph, targets, 1).problem.kernels
+                chosen.append((ph, 1, ((b if ph is main else a),) * k, {"method": "fixed"}))
+            plans.append(rctx.assemble("prefill-decode", targets, r, chosen, objective,
+                                       reason=f"prefill on {targets[a].name}, decode on {targets[b].name}"))
+    return _best(plans, objective)
+
+
+def _restricted(problem: PlacementProblem, allowed: np.ndarray) -> PlacementProblem:
+    """The problem with kernel i kept off device d wherever ``allowed[i, d]`` is False."""
+    times = np.where(allowed, problem.times, np.inf)
+    bad = ~np.isfinite(times).any(axis=1)
+    if bad.any():
+        raise PlanningError(f"kernel {int(np.flatnonzero(bad)[0])} has no device left to run on")
+    return PlacementProblem(problem.devices, times, problem.edges, problem.bandwidth, problem.latency,
+                            problem.pinned, problem.together, problem.micro_batches, problem.messages,
+                            problem.memory, problem.loop_edges)
+
+
+def _solve_folded(ctx: PlanContext, phase: PhaseSpec, targets: list[Target], m: int, objective: str,
+                  allowed: np.ndarray | None = None, start: tuple[int, ...] | None = None,
+                  memory: bool = True) -> tuple[tuple[int, ...], dict]:
+    """Solve a phase on its folded problem (optionally restricted); the unfolded assignment and solver info."""
+    folded = ctx.folded(phase, targets, m)
+    problem = folded.problem
+    if allowed is not None:
+        fa = np.stack([allowed[g].all(axis=0) for g in folded.groups])
+        problem = _restricted(problem, fa)
+    if not memory:
+        problem = PlacementProblem(problem.devices, problem.times, problem.edges, problem.bandwidth, problem.latency,
+                                   problem.pinned, problem.together, problem.micro_batches, problem.messages,
+                                   None, problem.loop_edges)
+    folded_start = None
+    if start is not None:
+        try:
+            folded_start = folded.fold(start)
+            if not np.isfinite(problem.times[np.arange(len(folded_start)), list(folded_start)]).all():
+                folded_start = None
+        except TesseraError:
+            folded_start = None
+    t0 = time.perf_counter()
+    placement = solve_placement(problem, objective, gap=ctx.gap, time_limit_s=ctx.time_limit_s, start=folded_start)
+    info = {"method": "milp (folded)", "kernels": problem.kernels, "gap": placement.gap,
+            "bound_s": placement.bound, "value_s": placement.value, "optimal": placement.optimal,
+            "solve_s": time.perf_counter() - t0}
+    return folded.unfold(placement.assignment), info
+
+
+def _block_allowed(sp, att: int, ffn: int) -> np.ndarray:
+    """Attention kernels only on ``att``, FFN kernels only on ``ffn``, others anywhere."""
+    allowed = np.ones(sp.problem.times.shape, dtype=bool)
+    for k in sp.graph.kernels:
+        blk = block_of(k)
+        if blk in ("attention", "ffn"):
+            allowed[k.index] = False
+            allowed[k.index, att if blk == "attention" else ffn] = True
+    return allowed
+
+
+def _follow_residency(ctx: PlanContext, phase: PhaseSpec, targets, m: int, main_sp, main_assignment,
+                      pin_state: bool) -> np.ndarray:
+    """Kernels of ``phase`` may run only where the main phase keeps the weights they read (and, with
+    ``pin_state``, where it keeps the state they touch)."""
+    mem = main_sp.problem.memory
+    where: dict[str, set[int]] = {}
+    for k, w in mem.reads:
+        where.setdefault(mem.item_names[w], set()).add(int(main_assignment[k]))
+    sp = ctx.step_problem(phase, targets, m)
+    allowed = np.ones(sp.problem.times.shape, dtype=bool)
+    state = set(sp.graph.state)
+    for a in sp.graph.accesses:
+        buf = sp.graph.buffers[a.buffer]
+        if a.buffer in where and (buf.kind == "weight" or (pin_state and a.buffer in state)):
+            row = np.zeros(len(targets), dtype=bool)
+            row[list(where[a.buffer])] = True
+            allowed[a.kernel] &= row
+    dead = ~allowed.any(axis=1)
+    allowed[dead] = True  # a kernel reading weights held on two disjoint targets: let the solver choose
+    return allowed
+
+
+def attention_ffn(ctx: PlanContext, objective: str) -> DeploymentPlan:
+    """Attention on one target, FFN on another, M >= 2 micro-batches; the rest placed by the solver."""
+    plans = []
+    for r in replica_counts(ctx.cluster):
+        rctx = _replica(ctx, r)
+        targets = cluster_targets(ctx.cluster, r)
+        for att, ffn in itertools.permutations(range(len(targets)), 2):
+            for m in rctx.micro_batch_options(rctx.main_phase, minimum=1 if objective == "latency" else 2):
+                try:
+                    chosen = _phase_chain(rctx, targets, m, objective, blocks=(att, ffn))
+                except (SolverError, PlanningError):
+                    continue
+                plans.append(rctx.assemble("attention-ffn", targets, r, chosen, objective,
+                                          reason=f"attention on {targets[att].name}, FFN on {targets[ffn].name}"))
+    if not plans:
+        raise PlanningError("no attention/FFN split satisfies the memory and co-location constraints")
+    return _best(plans, objective)
+
+
+def _phase_chain(ctx: PlanContext, targets, m: int, objective: str, blocks: tuple[int, int] | None = None,
+                 start=None, pin_state: bool = True) -> Chosen:
+    """Solve the main phase (at M = m), then every other phase where the main phase keeps its weights
+    (with ``blocks`` = (attention target, FFN target), those kernels only there)."""
+    main = ctx.main_phase
+
+    def allowed_for(ph: PhaseSpec, mm: int) -> np.ndarray | None:
+        return None if blocks is None else _block_allowed(ctx.step_problem(ph, targets, mm), *blocks)
+
+    main_sp = ctx.step_problem(main, targets, m)
+    main_a, info = _solve_folded(ctx, main, targets, m, objective, allowed_for(main, m), start)
+    chosen = {main.phase: (main, m, main_a, info)}
+    for ph in ctx.phases:
+        if ph is main:
+            continue
+        allowed = _follow_residency(ctx, ph, targets, 1, main_sp, main_a, pin_state)
+        extra = allowed_for(ph, 1)
+        if extra is not None:
+            allowed &= extra
+        a, inf = _solve_folded(ctx, ph, targets, 1, "latency", allowed, memory=False)
+        chosen[ph.phase] = (ph, 1, a, inf)
+    return [chosen[ph.phase] for ph in ctx.phases]
+
+
+def layer_pipeline(outer: PlanContext, objective: str) -> DeploymentPlan:
+    """Contiguous layers per target in a device order; every split point and order searched exhaustively."""
+    best = None
+    for r in replica_counts(outer.cluster):
+        ctx = _replica(outer, r)
+        main = ctx.main_phase
+        targets = cluster_targets(ctx.cluster, r)
+        ms = ctx.micro_batch_options(main) if objective == "throughput" else [1]
+        for m in ms:
+            sp = ctx.step_problem(main, targets, m)
+            structure = layer_structure(sp.graph)
+            merged = merge(sp.problem, layer_groups(structure, sp.problem.kernels))
+            layers = sorted(structure.spans)
+            scored = []
+            for order, cuts in _pipelines(len(layers), len(targets)):
+                stage_of = np.searchsorted(np.array(cuts), np.arange(len(layers)), side="right")
+                a = tuple(order[s] for s in stage_of)
+                ev = evaluate(merged.problem, a)
+                if not ev.memory_ok:
+                    continue
+                key = ev.cycle_s * main.repeats / main.rows if objective == "throughput" else ev.critical_path_s
+                scored.append((key, a, order, cuts))
+            scored.sort(key=lambda s: s[0])
+            for _, a, order, cuts in scored[:3]:
+                layer_device = dict(zip(layers, a, strict=True))
+                chosen = [(ph, m if ph is main else 1, _by_layer(ctx, ph, targets, m if ph is main else 1,
+                                                                   layer_device, order),
+                           {"method": "exhaustive split search", "stages": [targets[o].name for o in order],
+                            "split_after_layer": [layers[c - 1] for c in cuts]}) for ph in ctx.phases]
+                plan = ctx.assemble("layer-pipeline", targets, r, chosen, objective,
+                                    reason="layers " + _ranges(layers, cuts, [targets[o].name for o in order]))
+                best = _better(best, plan, objective)
+    if best is None:
+        raise PlanningError("no layer split fits the devices' memory")
+    return best
+
+
+def _pipelines(layers: int, devices: int):
+    """(device order, cut positions) for every pipeline of 2..devices stages over ``layers`` layers."""
+    count = 0
+    for stages in range(2, min(devices, layers) + 1):
+        for order in itertools.permutations(range(devices), stages):
+            for cuts in itertools.combinations(range(1, layers), stages - 1):
+                count += 1
+                if count > MAX_PIPELINE_CANDIDATES:
+                    return
+                yield order, list(cuts)
+
+
+def _ranges(layers: list[int], cuts: list[int], names: list[str]) -> str:
+    bounds = [0, *cuts, len(layers)]
+    return ", ".join(f"{layers[bounds[i]]}-{layers[bounds[i + 1] - 1]} on {n}" for i, n in enumerate(names))
+
+
+def _by_layer(ctx: PlanContext, phase: PhaseSpec, targets, m: int, layer_device: dict[int, int],
+              order: tuple[int, ...]) -> tuple[int, ...]:
+    """A phase's assignment from a layer -> target map: kernels outside layers go with the nearest layer
+    before them (the first stage when none); phases without the main phase's layers on the first stage."""
+    sp = ctx.step_problem(phase, targets, m)
+    out, current = [], order[0]
+    for k in sp.graph.kernels:
+        if k.layer is not None and k.layer in layer_device and _same_stack(ctx, phase):
+            current = layer_device[k.layer]
+        out.append(current)
+    return tuple(out)
+
+
+def _same_stack(ctx: PlanContext, phase: PhaseSpec) -> bool:
+    """Whether the phase's numbered layers are the main phase's (prefill and decode share their layers;
+    an image encoder or a VAE does not)."""
+    return phase is ctx.main_phase or phase.phase == "prefill"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tessera
+
+def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | None = None) -> DeploymentPlan:
+    """Kernel placement over folded layers, replicas and M; never worse than the baselines it contains."""
+    best = None
+    outer = ctx
+    seeds = [b for b in (baselines or []) if b.applicable and b.feasible and b.policy != "request-dist"]
+    for r in replica_counts(outer.cluster):
+        ctx = _replica(outer, r)
+        main = ctx.main_phase
+        targets = cluster_targets(ctx.cluster, r)
+        for m in ctx.micro_batch_options(main) if objective == "throughput" else [1]:
+            start = None
+            for b in seeds:
+                step = b.step(main.phase, objective) or b.step(main.phase)
+                if b.replicas == r and step is not None and step.micro_batches == m and len(b.targets) == len(targets):
+                    start = tuple(step.assignment)
+                    break
+            for pin_state in (True, False):
+                try:
+                    chosen = _phase_chain(ctx, targets, m, objective, None, start, pin_state)
+                except (SolverError, PlanningError) as e:
+                    ctx.say(f"tessera: replicas {r}, M={m}: {e}")
+                    continue
+                plan = ctx.assemble("tessera", targets, r, chosen, objective)
+                best = _better(best, plan, objective)
+            ctx.say(f"tessera: replicas {r}, M={m}: best so far {best.throughput:,.1f} {ctx.unit}" if best else
+                    f"tessera: replicas {r}, M={m}: no plan")
+    ctx = outer
+    for b in baselines or []:
+        if not (b.applicable and b.feasible):
+            continue
+        if _better(best, b, objective) is b and b is not best:
+            tie = DeploymentPlan(**{**b.__dict__, "policy": "tessera", "steps": b.steps, "extra": dict(b.extra)})
+            tie.reason = f"ties {b.policy}" + (f" ({b.device})" if b.device else "") + ": kernel placement found " \
+                         "nothing better than that baseline, which is in its search space" + \
+                         (f"; {b.reason}" if b.reason else "")
+            tie.extra["tie_with"] = b.policy
+            best = tie
+    if best is None:
+        raise PlanningError("Tessera found no plan that fits the devices' memory")
+    return best

@@ -1,0 +1,56 @@
+"""Step plans for the other objective, inside a deployment's residency (weights and state stay put).
+
+A deployment switches between its throughput and latency step plans online; both run over the same
+resident weights and state, so the second objective is solved with every kernel restricted to the
+targets that already hold everything it reads or touches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tessera.plan.context import PlanContext
+from tessera.plan.deployment import DeploymentPlan, StepPlan
+from tessera.plan.targets import Target, cluster_targets
+
+
+def plan_targets(ctx: PlanContext, plan: DeploymentPlan) -> list[Target]:
+    """The targets of one replica of ``plan`` (rebuilt from the cluster, checked against the plan)."""
+    targets = cluster_targets(ctx.cluster, plan.replicas, [plan.device] if plan.device else None)
+    if [t.name for t in targets] != plan.targets:
+        raise ValueError(f"the plan's targets {plan.targets} are not the cluster's {[t.name for t in targets]}")
+    return targets
+
+
+def _allowed_by_residency(ctx: PlanContext, plan: DeploymentPlan, sp) -> np.ndarray:
+    allowed = np.ones(sp.problem.times.shape, dtype=bool)
+    for a in sp.graph.accesses:
+        where = plan.residency.get(a.buffer)
+        if where is not None:
+            row = np.zeros(allowed.shape[1], dtype=bool)
+            row[where] = True
+            allowed[a.kernel] &= row
+    allowed[~allowed.any(axis=1)] = True
+    return allowed
+
+
+def add_objective_steps(ctx: PlanContext, plan: DeploymentPlan, objective: str) -> DeploymentPlan:
+    """Add ``objective`` step plans (M = 1 for latency; the primary plan's M for throughput) to ``plan``."""
+    from tessera.plan.policies import _solve_folded
+
+    if not plan.applicable or "replicas" in plan.extra or any(s.objective == objective for s in plan.steps):
+        return plan  # request distribution: each replica is a homogeneous deployment of its own
+    targets = plan_targets(ctx, plan)
+    primary = {s.phase: s for s in plan.steps}
+    chosen = []
+    for ph in ctx.phases:
+        m = 1 if objective == "latency" else primary[ph.phase].micro_batches
+        sp = ctx.step_problem(ph, targets, m)
+        a, info = _solve_folded(ctx, ph, targets, m, objective, _allowed_by_residency(ctx, plan, sp), memory=False)
+        chosen.append((ph, m, a, info))
+    other = ctx.assemble(plan.policy, targets, plan.replicas, chosen, objective, device=plan.device)
+    for s in other.steps:
+        plan.steps.append(StepPlan(**{**s.__dict__, "objective": objective}))
+    plan.extra[f"{objective}_plan"] = {"latency_s": other.latency_s, "ttft_s": other.ttft_s,
+                                       "throughput": other.throughput}
+    return plan
