@@ -98,8 +98,8 @@ def plan(
     _table(plans, ctx, objective)
     if chosen.applicable and chosen.feasible and chosen.extra.get(f"{other}_plan"):
         o = chosen.extra[f"{other}_plan"]
-        _out.print(f"{other} step plans in the same residency: {o['throughput']:,.0f} {chosen.unit}, "
-                   f"{_ms(o['latency_s'])} per {'image' if chosen.unit == 'images/s' else 'output token'}")
+        _out.print(f"{other} step plans in the same residency (batch {o['batch']}): {o['throughput']:,.0f} "
+                   f"{chosen.unit}, {_ms(o['latency_s'])} per {'image' if chosen.unit == 'images/s' else 'output token'}")
     if output is not None and chosen.steps:
         drawn = f"; placement figure: {figure}" if figure else " (request distribution: no kernel split to draw)"
         _out.print(f"plan ({chosen.policy}) written to {output}{drawn}")

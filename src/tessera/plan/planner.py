@@ -72,7 +72,8 @@ def plan_policy(ctx: PlanContext, policy: str = "tessera", objective: str = "thr
             plan = homogeneous(ctx, objective, device)
             plan.policy = "tessera"
             plan.reason = ("one device: the plan is the homogeneous plan" if len(ctx.cluster.devices) == 1 else
-                           "one device type: kernel placement over identical devices is the homogeneous plan")
+                           "one device type: kernel placement over identical devices is the homogeneous plan") + \
+                (f"; {plan.reason}" if plan.reason else "")
             return plan
         return tessera(ctx, objective, baselines(ctx, objective))
     return _BASELINES[policy](ctx, objective)

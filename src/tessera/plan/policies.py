@@ -141,7 +141,7 @@ def request_dist(ctx: PlanContext, objective: str) -> DeploymentPlan:
         fitting = [p for p in parts if p.feasible]
     if not fitting:
         plan = parts[0]
-        plan.policy = "request-dist"
+        plan.policy, plan.device = "request-dist", None
         plan.reason = "no device type holds a replica: " + "; ".join(f"{p.device}: {p.reason}" for p in parts)
         return plan
     plan = DeploymentPlan(
@@ -193,33 +193,62 @@ def _restricted(problem: PlacementProblem, allowed: np.ndarray) -> PlacementProb
                             problem.memory, problem.loop_edges)
 
 
+def _with_offsets(problem: PlacementProblem, offsets: np.ndarray | None) -> PlacementProblem:
+    """The problem plus one kernel pinned on each device whose time is that device's load from the other
+    phases (per micro-batch): the solver then balances this phase against work it does not place."""
+    if offsets is None or not (offsets > 0).any():
+        return problem
+    d = len(problem.devices)
+    extra = np.full((d, d), np.inf)
+    np.fill_diagonal(extra, np.maximum(offsets, 0.0))
+    k = problem.kernels
+    return PlacementProblem(problem.devices, np.vstack([problem.times, extra]), problem.edges, problem.bandwidth,
+                            problem.latency, {**problem.pinned, **{k + i: i for i in range(d)}}, problem.together,
+                            problem.micro_batches, problem.messages, problem.memory, problem.loop_edges)
+
+
+def _split_by(group: list[int], allowed: np.ndarray) -> list[list[int]]:
+    """A folded group cut into runs of kernels with the same allowed targets."""
+    parts: dict[bytes, list[int]] = {}
+    for k in group:
+        parts.setdefault(allowed[k].tobytes(), []).append(k)
+    return list(parts.values())
+
+
 def _solve_folded(ctx: PlanContext, phase: PhaseSpec, targets: list[Target], m: int, objective: str,
                   allowed: np.ndarray | None = None, start: tuple[int, ...] | None = None,
-                  memory: bool = True) -> tuple[tuple[int, ...], dict]:
-    """Solve a phase on its folded problem (optionally restricted); the unfolded assignment and solver info."""
+                  memory: bool = True, offsets: np.ndarray | None = None) -> tuple[tuple[int, ...], dict]:
+    """Solve a phase on its folded problem (optionally restricted, and balanced against ``offsets``: other
+    phases' seconds per micro-batch on each target); the unfolded assignment and solver info."""
     folded = ctx.folded(phase, targets, m)
-    problem = folded.problem
-    if allowed is not None:
-        fa = np.stack([allowed[g].all(axis=0) for g in folded.groups])
-        problem = _restricted(problem, fa)
+    if allowed is not None:  # fold only kernels allowed on the same targets
+        groups = [sub for g in folded.groups for sub in _split_by(g, allowed)]
+        if len(groups) != len(folded.groups):
+            folded = merge(ctx.step_problem(phase, targets, m).problem, groups)
+        problem = _restricted(folded.problem, np.stack([allowed[g[0]] for g in folded.groups]))
+    else:
+        problem = folded.problem
     if not memory:
         problem = PlacementProblem(problem.devices, problem.times, problem.edges, problem.bandwidth, problem.latency,
                                    problem.pinned, problem.together, problem.micro_batches, problem.messages,
                                    None, problem.loop_edges)
+    k = problem.kernels
     folded_start = None
     if start is not None:
         try:
             folded_start = folded.fold(start)
-            if not np.isfinite(problem.times[np.arange(len(folded_start)), list(folded_start)]).all():
+            if not np.isfinite(problem.times[np.arange(k), list(folded_start)]).all():
                 folded_start = None
         except TesseraError:
             folded_start = None
+    problem = _with_offsets(problem, offsets if objective == "throughput" else None)
+    if folded_start is not None and problem.kernels > k:
+        folded_start = (*folded_start, *range(problem.kernels - k))
     t0 = time.perf_counter()
     placement = solve_placement(problem, objective, gap=ctx.gap, time_limit_s=ctx.time_limit_s, start=folded_start)
-    info = {"method": "milp (folded)", "kernels": problem.kernels, "gap": placement.gap,
-            "bound_s": placement.bound, "value_s": placement.value, "optimal": placement.optimal,
-            "solve_s": time.perf_counter() - t0}
-    return folded.unfold(placement.assignment), info
+    info = {"method": "milp (folded)", "kernels": k, "gap": placement.gap, "bound_s": placement.bound,
+            "value_s": placement.value, "optimal": placement.optimal, "solve_s": time.perf_counter() - t0}
+    return folded.unfold(placement.assignment[:k]), info
 
 
 def _block_allowed(sp, att: int, ffn: int) -> np.ndarray:
@@ -264,38 +293,67 @@ def attention_ffn(ctx: PlanContext, objective: str) -> DeploymentPlan:
         for att, ffn in itertools.permutations(range(len(targets)), 2):
             for m in rctx.micro_batch_options(rctx.main_phase, minimum=1 if objective == "latency" else 2):
                 try:
-                    chosen = _phase_chain(rctx, targets, m, objective, blocks=(att, ffn))
+                    results = _phase_chain(rctx, targets, m, objective, blocks=(att, ffn))
                 except (SolverError, PlanningError):
                     continue
-                plans.append(rctx.assemble("attention-ffn", targets, r, chosen, objective,
-                                          reason=f"attention on {targets[att].name}, FFN on {targets[ffn].name}"))
+                plans += [rctx.assemble("attention-ffn", targets, r, chosen, objective,
+                                        reason=f"attention on {targets[att].name}, FFN on {targets[ffn].name}")
+                          for chosen in results]
     if not plans:
         raise PlanningError("no attention/FFN split satisfies the memory and co-location constraints")
     return _best(plans, objective)
 
 
+def _phase_loads(ctx: PlanContext, targets, chosen: Chosen) -> dict[str, np.ndarray]:
+    """Each phase's seconds per request on each target (its cycle's busy time x repeats / rows)."""
+    out = {}
+    for ph, m, a, _ in chosen:
+        ev = evaluate(ctx.step_problem(ph, targets, m).problem, a)
+        out[ph.phase] = np.array(ev.busy_s) * ph.repeats / ph.rows
+    return out
+
+
 def _phase_chain(ctx: PlanContext, targets, m: int, objective: str, blocks: tuple[int, int] | None = None,
-                 start=None, pin_state: bool = True) -> Chosen:
-    """Solve the main phase (at M = m), then every other phase where the main phase keeps its weights
-    (with ``blocks`` = (attention target, FFN target), those kernels only there)."""
+                 start=None, follow: bool = True, pin_state: bool = True, rounds: int = 1) -> list[Chosen]:
+    """Solve the main phase (at M = m), then every other phase (where the main phase keeps its weights when
+    ``follow``; with ``blocks`` = (attention target, FFN target), those kernels only there); then
+    ``rounds`` times re-solve each phase balanced against the others' load. Every round's result."""
     main = ctx.main_phase
 
     def allowed_for(ph: PhaseSpec, mm: int) -> np.ndarray | None:
         return None if blocks is None else _block_allowed(ctx.step_problem(ph, targets, mm), *blocks)
 
-    main_sp = ctx.step_problem(main, targets, m)
+    def others(main_a, loads) -> dict:
+        out = {}
+        main_sp = ctx.step_problem(main, targets, m)
+        for ph in ctx.phases:
+            if ph is main:
+                continue
+            allowed = _follow_residency(ctx, ph, targets, 1, main_sp, main_a, pin_state) if follow else None
+            extra = allowed_for(ph, 1)
+            if extra is not None:
+                allowed = extra if allowed is None else allowed & extra
+            offsets = None
+            if loads is not None:  # the rest of a request's work, in this phase's per-step seconds
+                offsets = sum(v for k, v in loads.items() if k != ph.phase) * ph.rows / ph.repeats
+            obj = "latency" if objective == "latency" else "throughput"
+            a, inf = _solve_folded(ctx, ph, targets, 1, obj, allowed, memory=not follow, offsets=offsets)
+            out[ph.phase] = (ph, 1, a, inf)
+        return out
+
     main_a, info = _solve_folded(ctx, main, targets, m, objective, allowed_for(main, m), start)
-    chosen = {main.phase: (main, m, main_a, info)}
-    for ph in ctx.phases:
-        if ph is main:
-            continue
-        allowed = _follow_residency(ctx, ph, targets, 1, main_sp, main_a, pin_state)
-        extra = allowed_for(ph, 1)
-        if extra is not None:
-            allowed &= extra
-        a, inf = _solve_folded(ctx, ph, targets, 1, "latency", allowed, memory=False)
-        chosen[ph.phase] = (ph, 1, a, inf)
-    return [chosen[ph.phase] for ph in ctx.phases]
+    chosen = {main.phase: (main, m, main_a, info), **others(main_a, None)}
+    results = [[chosen[ph.phase] for ph in ctx.phases]]
+    for _ in range(rounds if objective == "throughput" and len(ctx.phases) > 1 else 0):
+        loads = _phase_loads(ctx, targets, results[-1])
+        offsets = sum(v for k, v in loads.items() if k != main.phase) * main.rows / main.repeats / m
+        main_a, info = _solve_folded(ctx, main, targets, m, objective, allowed_for(main, m), main_a,
+                                     offsets=offsets)
+        chosen = {main.phase: (main, m, main_a, info)}
+        loads[main.phase] = _phase_loads(ctx, targets, [chosen[main.phase]])[main.phase]
+        chosen.update(others(main_a, loads))
+        results.append([chosen[ph.phase] for ph in ctx.phases])
+    return results
 
 
 def layer_pipeline(outer: PlanContext, objective: str) -> DeploymentPlan:
@@ -390,15 +448,16 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
                 if b.replicas == r and step is not None and step.micro_batches == m and len(b.targets) == len(targets):
                     start = tuple(step.assignment)
                     break
-            for pin_state in (True, False):
+            for follow, pin_state in ((True, True), (False, False)):
                 try:
-                    chosen = _phase_chain(ctx, targets, m, objective, None, start, pin_state)
+                    results = _phase_chain(ctx, targets, m, objective, None, start, follow, pin_state)
                 except (SolverError, PlanningError) as e:
                     ctx.say(f"tessera: replicas {r}, M={m}: {e}")
                     continue
-                plan = ctx.assemble("tessera", targets, r, chosen, objective)
-                best = _better(best, plan, objective)
-            ctx.say(f"tessera: replicas {r}, M={m}: best so far {best.throughput:,.1f} {ctx.unit}" if best else
+                for chosen in results:
+                    best = _better(best, ctx.assemble("tessera", targets, r, chosen, objective), objective)
+            ctx.say(f"tessera: replicas {r}, M={m}: best so far {best.throughput:,.1f} {ctx.unit}"
+                    f"{'' if best.feasible else ' (does not fit memory)'}" if best else
                     f"tessera: replicas {r}, M={m}: no plan")
     ctx = outer
     for b in baselines or []:

@@ -2,7 +2,8 @@
 
 A deployment switches between its throughput and latency step plans online; both run over the same
 resident weights and state, so the second objective is solved with every kernel restricted to the
-targets that already hold everything it reads or touches.
+targets that already hold everything it reads or touches. Latency plans are made for the low-load
+bucket (at most ``LATENCY_BUCKET`` sequences in flight, M = 1), where the serving monitor uses them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import numpy as np
 from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DeploymentPlan, StepPlan
 from tessera.plan.targets import Target, cluster_targets
+
+LATENCY_BUCKET = 8
 
 
 def plan_targets(ctx: PlanContext, plan: DeploymentPlan) -> list[Target]:
@@ -42,6 +45,8 @@ def add_objective_steps(ctx: PlanContext, plan: DeploymentPlan, objective: str) 
         return plan  # request distribution: each replica is a homogeneous deployment of its own
     targets = plan_targets(ctx, plan)
     primary = {s.phase: s for s in plan.steps}
+    per_replica = max(1, ctx.batch // plan.replicas)
+    ctx = ctx.for_batch(min(per_replica, LATENCY_BUCKET) if objective == "latency" else per_replica)
     chosen = []
     for ph in ctx.phases:
         m = 1 if objective == "latency" else primary[ph.phase].micro_batches
@@ -51,6 +56,6 @@ def add_objective_steps(ctx: PlanContext, plan: DeploymentPlan, objective: str) 
     other = ctx.assemble(plan.policy, targets, plan.replicas, chosen, objective, device=plan.device)
     for s in other.steps:
         plan.steps.append(StepPlan(**{**s.__dict__, "objective": objective}))
-    plan.extra[f"{objective}_plan"] = {"latency_s": other.latency_s, "ttft_s": other.ttft_s,
-                                       "throughput": other.throughput}
+    plan.extra[f"{objective}_plan"] = {"batch": ctx.batch, "latency_s": other.latency_s, "ttft_s": other.ttft_s,
+                                       "throughput": other.throughput, "feasible": other.feasible}
     return plan

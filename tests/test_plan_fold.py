@@ -1,0 +1,106 @@
+"""Folding and merging keep a problem's busy times and link loads exact; the evaluator is hand-checked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tessera.capture.api import trace_model
+from tessera.graph.layers import layer_structure
+from tessera.hardware.cluster import parse_cluster
+from tessera.plan.build import build_step_problem, colocation, data_edges, memory_items
+from tessera.plan.evaluate import evaluate
+from tessera.plan.fold import fold_groups, layer_groups, merge
+from tessera.plan.problem import MemorySpec, PlacementProblem, PlacementProblemError
+from tessera.plan.targets import cluster_targets
+
+
+def test_evaluate_by_hand():
+    # kernels 0 -> 1 -> 2; 0 and 2 on device a, 1 on device b; 2 micro-batches
+    times = np.array([[1.0, 2.0], [3.0, 1.0], [2.0, 2.0]])
+    bw = np.array([[np.inf, 10.0], [10.0, np.inf]])
+    lat = np.array([[0.0, 0.5], [0.5, 0.0]])
+    mem = MemorySpec(np.array([5.0, 7.0]), [(0, 0), (2, 0), (1, 1)], np.array([6.0, 6.0]))
+    p = PlacementProblem(["a", "b"], times, [(0, 1, 20.0), (1, 2, 10.0)], bw, lat, micro_batches=2,
+                         messages=[1.0, 3.0], memory=mem, loop_edges=[(2, 0, 0.0, 1.0)])
+    ev = evaluate(p, (0, 1, 0))
+    assert ev.busy_s == (2 * 3.0, 2 * 1.0)  # a runs kernels 0 and 2 (1 + 2 s), b kernel 1 (1 s), x M
+    link_ab = 0.5 + 20 / 10  # one message, 20 bytes at 10 B/s
+    link_ba = 3 * 0.5 + 10 / 10  # three messages, 10 bytes
+    assert ev.link_s[0][1] == pytest.approx(2 * link_ab)
+    assert ev.link_s[1][0] == pytest.approx(2 * link_ba)  # the loop edge 2 -> 0 is on one device: free
+    path = 1.0 + link_ab + 1.0 + link_ba + 2.0
+    assert ev.critical_path_s == pytest.approx(path)
+    assert ev.cycle_s == pytest.approx(max(6.0, 2 * link_ab, 2 * link_ba, path))
+    assert ev.cut_edges == 2 and ev.cut_bytes == 2 * 30.0
+    assert ev.resident_bytes == (5.0, 7.0) and not ev.memory_ok  # item 1 (7 B) exceeds b's 6 B
+    # a cut loop edge loads its link and lengthens the critical path by its transfer
+    ev2 = evaluate(p, (0, 0, 1))
+    assert ev2.critical_path_s == pytest.approx(1 + 3 + (3 * 0.5 + 10 / 10) + 2 + (0.5 + 0 / 10))
+
+
+@pytest.fixture(scope="module")
+def llama_tiny_problem():
+    graph = trace_model("llama-3.1-8b", "decode", batch=4, ctx=256)
+    cluster = parse_cluster("A100:1,L40S:1")
+    return graph, build_step_problem(graph, cluster_targets(cluster), cluster, micro_batches=2)
+
+
+def test_step_problem_from_a_traced_graph(llama_tiny_problem):
+    graph, sp = llama_tiny_problem
+    p = sp.problem
+    assert p.times.shape == (len(graph.kernels), 2) and np.isfinite(p.times).all()
+    # the K and V writers and the attention kernel of every layer are tied into one co-located set
+    pairs = colocation(graph, data_edges(graph))
+    for layer in range(32):
+        users = sorted({a.kernel for a in graph.accesses if a.buffer.startswith(f"cache.layer{layer}.")})
+        tied = {users[0]}
+        for _ in users:
+            tied |= {j for i, j in pairs if i in tied} | {i for i, j in pairs if j in tied}
+        assert len(users) == 3 and set(users) <= tied
+    # a q-projection output feeding the next kernel carries batch x hidden bf16 bytes
+    q = next(k for k in graph.kernels if k.scope.endswith("layers.0.self_attn.q_proj"))
+    out = [b for s, d, b in p.edges if s == q.index]
+    assert out and max(out) == 4 * 4096 * 2
+    items = memory_items(graph, sp_options(), 2)
+    weights = sum(b.nbytes for b in graph.buffers.values() if b.kind == "weight")
+    state = sum(b.nbytes for b in graph.buffers.values() if b.kind == "state")
+    assert items.item_bytes.sum() == pytest.approx(weights + 2 * state)
+
+
+def sp_options():
+    from tessera.cost.options import CostOptions
+
+    return CostOptions()
+
+
+def test_folding_is_exact_for_busy_and_links(llama_tiny_problem):
+    graph, sp = llama_tiny_problem
+    structure = layer_structure(graph)
+    rng = np.random.default_rng(0)
+    for chunks in (1, 4):
+        folded = merge(sp.problem, fold_groups(structure, sp.problem.kernels, chunks))
+        assert folded.problem.kernels < sp.problem.kernels / 5
+        for _ in range(3):
+            a = tuple(int(x) for x in rng.integers(0, 2, folded.problem.kernels))
+            full = evaluate(sp.problem, folded.unfold(a))
+            small = evaluate(folded.problem, a)
+            assert small.busy_s == pytest.approx(full.busy_s)
+            assert np.allclose(small.link_s, full.link_s)
+            assert small.resident_bytes == pytest.approx(full.resident_bytes)
+            assert folded.fold(folded.unfold(a)) == a
+
+
+def test_layer_groups_and_bad_partitions(llama_tiny_problem):
+    graph, sp = llama_tiny_problem
+    groups = layer_groups(layer_structure(graph), sp.problem.kernels)
+    assert len(groups) == 32 and sorted(k for g in groups for k in g) == list(range(sp.problem.kernels))
+    merged = merge(sp.problem, groups)
+    a = (0,) * 10 + (1,) * 22
+    assert evaluate(merged.problem, a).busy_s == pytest.approx(evaluate(sp.problem, merged.unfold(a)).busy_s)
+    with pytest.raises(PlacementProblemError, match="in no merged group"):
+        merge(sp.problem, groups[1:])
+    with pytest.raises(PlacementProblemError, match="two merged groups"):
+        merge(sp.problem, [*groups, [0]])
+    with pytest.raises(PlacementProblemError, match="different devices"):
+        merged.fold((0, 1) * (sp.problem.kernels // 2) + (0,) * (sp.problem.kernels % 2))
