@@ -184,3 +184,31 @@ def test_plan_cli_table(tmp_path):
                                       "--max-batch", "8", "--policy", "layer-pipeline"])
     assert result.exit_code == 0, result.output
     assert "layer-pipeline" in result.stdout and "tokens/s" in result.stdout
+
+
+def test_expert_groups_of_an_moe_layer_can_live_on_different_targets():
+    ctx = context("gpt-oss-20b", "A100:1,L40S:1", "fixed:in=256,out=64,requests=16", 8)
+    targets = cluster_targets(ctx.cluster)
+    decode = ctx.main_phase
+    whole = ctx.step_problem(decode, targets, 1)
+    split = ctx.step_problem(decode, targets, 1, expert_parts=2)
+    experts = [k.index for k in split.graph.kernels if k.op == "aten._grouped_mm.default"]
+    assert len(experts) == 2 * 24
+    assert split.problem.kernels == whole.problem.kernels + 2 * len(experts)  # two parts + a combine each
+    # in every phase, hot experts (part 0) on the A100, cold ones (part 1) on the L40S, the rest on the A100
+    def cold_on_l40s(ph):
+        return tuple(1 if tag == 1 else 0 for _, tag in ctx.step_problem(ph, targets, 1, 2).mapping.origin)
+
+    on = list(cold_on_l40s(decode))
+    plan = ctx.assemble("tessera", targets, 1, [(ph, 1, cold_on_l40s(ph), {"expert_parts": 2}) for ph in ctx.phases])
+    step = plan.step("decode")
+    assert {int(k) for k in step.expert_parts} == set(experts)
+    assert all(v == [0, 1] for v in step.expert_parts.values())
+    assert split.problem_assignment(step.assignment, step.expert_parts) == on
+    name = next(n for n in plan.residency if n.endswith("[part 1]"))
+    assert plan.residency[name] == [1] and plan.residency[name.replace("[part 1]", "[part 0]")] == [0]
+    held_by_l40s = sum(split.problem.memory.item_bytes[w] for w, n in enumerate(split.problem.memory.item_names)
+                       if n.endswith("[part 1]"))
+    assert plan.memory_bytes[1] == pytest.approx(held_by_l40s + max(
+        ctx.step_problem(ph, targets, 1, 2).activation_reserve for ph in ctx.phases))
+    assert step.cut_edges > 0 and step.cycle_s > 0

@@ -6,7 +6,9 @@ bytes the consumer reads of what the producer wrote. Constraints: every kernel t
 (KV/conv/SSM cache) shares a device with the others that touch it (state never moves inside a step);
 kernels whose PTX is indirect or opaque share a device with the kernels they exchange data with.
 Memory: weights and state are items resident where the kernels that read them run; activations are a
-reserve of M times the largest working set of one kernel.
+reserve of M times the largest working set of one kernel. With ``expert_parts`` > 1 every grouped
+expert GEMM becomes that many expert-group parts plus a combine (:mod:`tessera.plan.experts`), so the
+problem has more kernels than the graph; ``StepProblem`` maps between the two.
 """
 
 from __future__ import annotations
@@ -23,23 +25,54 @@ from tessera.cost.profile import Profile
 from tessera.cost.routing import RoutingDistribution
 from tessera.graph.ir import KernelGraph
 from tessera.hardware.cluster import Cluster
+from tessera.plan.experts import SplitMapping
 from tessera.plan.problem import MemorySpec, PlacementProblem
 from tessera.plan.targets import Target, link_between
 
 
 @dataclass
 class StepProblem:
-    """A step's placement problem with what it was built from (kernel i of the problem = graph kernel i)."""
+    """A step's placement problem with what it was built from. Problem kernel i is graph kernel i unless
+    expert GEMMs were split: then ``mapping.origin[i]`` = (graph kernel, part number or "combine")."""
 
     graph: KernelGraph
     targets: list[Target]
     problem: PlacementProblem
     features: list[KernelFeatures]
     activation_reserve: float  # bytes per target kept for activations (M micro-batches in flight)
+    mapping: SplitMapping | None = None
 
     @property
     def micro_batches(self) -> int:
         return self.problem.micro_batches
+
+    def problem_kernels(self) -> list[list[int]]:
+        """For each graph kernel, its problem kernels (expert parts then combine, when split)."""
+        if self.mapping is None:
+            return [[i] for i in range(len(self.graph.kernels))]
+        out: list[list[int]] = [[] for _ in self.graph.kernels]
+        for i, (k, _) in enumerate(self.mapping.origin):
+            out[k].append(i)
+        return out
+
+    def graph_assignment(self, assignment) -> list[int]:
+        """Each graph kernel's target: its own, or its combine's when its experts were split."""
+        return [int(assignment[ks[-1]]) for ks in self.problem_kernels()]
+
+    def problem_assignment(self, graph_assignment, expert_parts: dict | None = None) -> list[int]:
+        """The problem-level assignment of a StepPlan's graph-level one and its expert parts' targets."""
+        parts = {int(k): v for k, v in (expert_parts or {}).items()}
+        out = []
+        for k, ks in enumerate(self.problem_kernels()):
+            out += [*parts[k], graph_assignment[k]] if len(ks) > 1 else [graph_assignment[k]]
+        return out
+
+    def expert_parts(self, assignment) -> dict[int, list[int]]:
+        """Graph kernel -> target of each expert part, for split kernels (empty when nothing is split)."""
+        if self.mapping is None:
+            return {}
+        return {k: [int(assignment[i]) for i in self.mapping.parts_of(k)]
+                for k in sorted({k for k, tag in self.mapping.origin if isinstance(tag, int)})}
 
 
 def target_times(graph: KernelGraph, features: list[KernelFeatures], target: Target, options: CostOptions,
@@ -119,8 +152,10 @@ def activation_peak(graph: KernelGraph) -> float:
 
 def build_step_problem(graph: KernelGraph, targets: list[Target], cluster: Cluster, *, micro_batches: int = 1,
                        options: CostOptions = CostOptions(), profile: Profile | None = None,
-                       routing_skew: float = 0.0, memory: bool = True, state_scale: float = 1.0) -> StepProblem:
-    """The placement problem of one step (``graph`` traced at the micro-batch size) over ``targets``."""
+                       routing_skew: float = 0.0, memory: bool = True, state_scale: float = 1.0,
+                       expert_parts: int = 1) -> StepProblem:
+    """The placement problem of one step (``graph`` traced at the micro-batch size) over ``targets``
+    (``expert_parts`` > 1: every grouped expert GEMM split into that many expert groups plus a combine)."""
     features = FeatureExtractor(graph, options).all()
     routing = _routing(graph, routing_skew)
     times = np.stack([target_times(graph, features, t, options, profile, routing) for t in targets], axis=1)
@@ -139,7 +174,31 @@ def build_step_problem(graph: KernelGraph, targets: list[Target], cluster: Clust
         spec.capacity = np.array([max(t.memory_bytes - reserve, 0.0) for t in targets])
     problem = PlacementProblem([t.name for t in targets], times, edges, bandwidth, latency,
                                together=colocation(graph, edges), micro_batches=micro_batches, memory=spec)
-    return StepProblem(graph, targets, problem, features, reserve)
+    mapping = None
+    if expert_parts > 1 and routing is not None:
+        problem, mapping = _split_experts(problem, features, targets, options, profile, routing, expert_parts)
+    return StepProblem(graph, targets, problem, features, reserve, mapping)
+
+
+def _split_experts(problem: PlacementProblem, features: list[KernelFeatures], targets: list[Target],
+                   options: CostOptions, profile: Profile | None, routing: RoutingDistribution,
+                   parts: int) -> tuple[PlacementProblem, SplitMapping | None]:
+    """Every grouped expert GEMM of the problem split into ``parts`` expert groups plus a combine."""
+    from tessera.plan.experts import combine_times, expert_part_times, part_bytes, split_kernel, weight_shares
+
+    models = [CostModel(t.spec, options, profile if profile is not None and profile.device == t.spec.id else None)
+              for t in targets]
+    mapping = None
+    for f in reversed([f for f in features if f.cost_class == "grouped_gemm" and f.gemm is not None]):
+        if f.gemm[1] < parts:  # fewer routed rows than parts: nothing to spread
+            continue
+        n = min(parts, routing.experts)
+        times = expert_part_times(f, models, n, routing) / np.array([max(t.size, 1) for t in targets])
+        into, out = part_bytes(f, n, routing)
+        problem, step = split_kernel(problem, f.index, times, combine_times(f, models), into, out,
+                                     weight_shares(routing.experts, n))
+        mapping = step if mapping is None else mapping.then(step)
+    return problem, mapping
 
 
 def _routing(graph: KernelGraph, skew: float) -> RoutingDistribution | None:

@@ -150,26 +150,30 @@ class PlanContext:
                                             resolution=phase.resolution)
         return self._graphs[key]
 
-    def step_problem(self, phase: PhaseSpec, targets: list[Target], micro_batches: int = 1) -> StepProblem:
-        """The phase's unfolded placement problem over ``targets`` (cached)."""
-        key = (phase.phase, phase.batch, micro_batches, tuple(t.members for t in targets))
+    def step_problem(self, phase: PhaseSpec, targets: list[Target], micro_batches: int = 1,
+                     expert_parts: int = 1) -> StepProblem:
+        """The phase's unfolded placement problem over ``targets`` (cached; ``expert_parts`` > 1 splits
+        every grouped expert GEMM into expert groups plus a combine)."""
+        key = (phase.phase, phase.batch, micro_batches, tuple(t.members for t in targets), expert_parts)
         if key not in self._problems:
             graph = self.graph(phase, micro_batches)
             sp = build_step_problem(graph, targets, self.cluster, micro_batches=micro_batches, options=self.options,
                                     profile=self.profile, routing_skew=self.routing_skew,
-                                    state_scale=phase.state_scale)
+                                    state_scale=phase.state_scale, expert_parts=expert_parts)
             self._problems[key] = sp
         return self._problems[key]
 
-    def folded(self, phase: PhaseSpec, targets: list[Target], micro_batches: int = 1) -> Merged:
+    def folded(self, phase: PhaseSpec, targets: list[Target], micro_batches: int = 1, expert_parts: int = 1) -> Merged:
         """The phase's problem with identical layers folded into ``fold_chunks`` runs per class (cached)."""
-        key = (phase.phase, phase.batch, micro_batches, tuple(t.members for t in targets))
+        key = (phase.phase, phase.batch, micro_batches, tuple(t.members for t in targets), expert_parts)
         if key not in self._folded:
-            sp = self.step_problem(phase, targets, micro_batches)
+            sp = self.step_problem(phase, targets, micro_batches, expert_parts)
             try:
-                groups = fold_groups(layer_structure(sp.graph), sp.problem.kernels, self.fold_chunks)
+                graph_groups = fold_groups(layer_structure(sp.graph), len(sp.graph.kernels), self.fold_chunks)
             except LayerStructureError:  # layers of several stacks interleave (e.g. text encoders): no folding
-                groups = [[k] for k in range(sp.problem.kernels)]
+                graph_groups = [[k] for k in range(len(sp.graph.kernels))]
+            own = sp.problem_kernels()  # a split kernel's parts fold with the same parts of the other layers
+            groups = [[own[k][j] for k in g] for g in graph_groups for j in range(len(own[g[0]]))]
             self._folded[key] = merge(sp.problem, groups)
         return self._folded[key]
 
@@ -182,13 +186,14 @@ class PlanContext:
         """The deployment of per-phase (phase, M, unfolded assignment, solver info), re-evaluated exactly."""
         steps, evaluations, problems = [], [], []
         for phase, m, assignment, info in chosen:
-            sp = self.step_problem(phase, targets, m)
+            sp = self.step_problem(phase, targets, m, info.get("expert_parts", 1))
             ev = evaluate(sp.problem, assignment)
             problems.append((phase, sp, assignment))
             evaluations.append(ev)
             steps.append(StepPlan(phase.phase, objective, phase.batch, m, phase.repeats, phase.rows, sp.graph.hash,
-                                  [int(x) for x in assignment], ev.cycle_s, ev.critical_path_s, list(ev.busy_s),
-                                  [list(r) for r in ev.link_s], ev.cut_edges, ev.cut_bytes, dict(info)))
+                                  sp.graph_assignment(assignment), ev.cycle_s, ev.critical_path_s, list(ev.busy_s),
+                                  [list(r) for r in ev.link_s], ev.cut_edges, ev.cut_bytes, dict(info),
+                                  {str(k): v for k, v in sp.expert_parts(assignment).items()}))
         residency, item_bytes = self._residency(problems)
         moves = self._state_moves(problems, targets)
         d = len(targets)
@@ -260,10 +265,11 @@ class PlanContext:
         moves = []
         for phase, sp, assignment in problems:
             graph = sp.graph
+            on = sp.graph_assignment(assignment)
             touched: dict[str, int] = {}
             for a in graph.accesses:
                 if a.buffer in graph.state and a.buffer not in touched:
-                    touched[a.buffer] = int(assignment[a.kernel])
+                    touched[a.buffer] = on[a.kernel]
             for name, t in touched.items():
                 if name in holder and holder[name][0] != t:
                     src, nbytes = holder[name]

@@ -61,6 +61,7 @@ class StepPlan:
     cut_edges: int
     cut_bytes: float
     solver: dict[str, Any] = field(default_factory=dict)  # how it was found: method, gap, bound, seconds
+    expert_parts: dict[str, list[int]] = field(default_factory=dict)  # split expert GEMM -> target per part
 
     @property
     def per_request(self) -> float:

@@ -16,19 +16,20 @@ def placement_figure(ctx: PlanContext, plan: DeploymentPlan, path: str | Path, p
     """Draw the plan's step of ``phase`` (default: the main phase) as a layer x kernel-class grid."""
     phase = phase or ctx.main_phase.phase
     step = plan.step(phase)
-    spec = next(p for p in ctx.phases if p.phase == phase)
+    spec = next(p for p in ctx.for_batch(step.batch * plan.replicas).phases if p.phase == phase)
     targets = plan_targets(ctx, plan)
-    sp = ctx.step_problem(spec, targets, step.micro_batches)
+    sp = ctx.for_batch(step.batch).step_problem(spec, targets, step.micro_batches, step.solver.get("expert_parts", 1))
     times = sp.problem.times
+    on = sp.problem_assignment(step.assignment, step.expert_parts)
     first_layer = min((k.index for k in sp.graph.kernels if k.layer is not None), default=0)
     cells: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
     order: list[str] = []
-    for k in sp.graph.kernels:
+    for k, own in zip(sp.graph.kernels, sp.problem_kernels(), strict=True):
         label = str(k.layer) if k.layer is not None else ("embed" if k.index < first_layer else "head")
         if label not in order:
             order.append(label)
-        d = step.assignment[k.index]
-        cells[(label, cost_class(k))][targets[d].name] += float(times[k.index, d])
+        for i in own:  # an expert GEMM split into parts counts each part where it runs
+            cells[(label, cost_class(k))][targets[on[i]].name] += float(times[i, on[i]])
     rows = [PlacementCell(layer, cls, dict(share), sum(share.values()))
             for (layer, cls), share in sorted(cells.items(), key=lambda kv: order.index(kv[0][0]))]
     title = (f"{plan.model} {phase} on {plan.cluster}: {plan.policy} "

@@ -43,6 +43,7 @@ NOT_APPLICABLE = {
                                     "halves that ping-pong between devices",
 }
 MAX_PIPELINE_CANDIDATES = 200_000
+EXPERT_PARTS = 2  # expert groups per grouped GEMM when Tessera splits an MoE layer's experts
 
 Chosen = list[tuple[PhaseSpec, int, tuple[int, ...], dict]]
 
@@ -217,14 +218,15 @@ def _split_by(group: list[int], allowed: np.ndarray) -> list[list[int]]:
 
 def _solve_folded(ctx: PlanContext, phase: PhaseSpec, targets: list[Target], m: int, objective: str,
                   allowed: np.ndarray | None = None, start: tuple[int, ...] | None = None,
-                  memory: bool = True, offsets: np.ndarray | None = None) -> tuple[tuple[int, ...], dict]:
+                  memory: bool = True, offsets: np.ndarray | None = None,
+                  expert_parts: int = 1) -> tuple[tuple[int, ...], dict]:
     """Solve a phase on its folded problem (optionally restricted, and balanced against ``offsets``: other
     phases' seconds per micro-batch on each target); the unfolded assignment and solver info."""
-    folded = ctx.folded(phase, targets, m)
+    folded = ctx.folded(phase, targets, m, expert_parts)
     if allowed is not None:  # fold only kernels allowed on the same targets
         groups = [sub for g in folded.groups for sub in _split_by(g, allowed)]
         if len(groups) != len(folded.groups):
-            folded = merge(ctx.step_problem(phase, targets, m).problem, groups)
+            folded = merge(ctx.step_problem(phase, targets, m, expert_parts).problem, groups)
         problem = _restricted(folded.problem, np.stack([allowed[g[0]] for g in folded.groups]))
     else:
         problem = folded.problem
@@ -247,40 +249,48 @@ def _solve_folded(ctx: PlanContext, phase: PhaseSpec, targets: list[Target], m: 
     t0 = time.perf_counter()
     placement = solve_placement(problem, objective, gap=ctx.gap, time_limit_s=ctx.time_limit_s, start=folded_start)
     info = {"method": "milp (folded)", "kernels": k, "gap": placement.gap, "bound_s": placement.bound,
-            "value_s": placement.value, "optimal": placement.optimal, "solve_s": time.perf_counter() - t0}
+            "value_s": placement.value, "optimal": placement.optimal, "solve_s": time.perf_counter() - t0,
+            "expert_parts": expert_parts}
     return folded.unfold(placement.assignment[:k]), info
 
 
 def _block_allowed(sp, att: int, ffn: int) -> np.ndarray:
     """Attention kernels only on ``att``, FFN kernels only on ``ffn``, others anywhere."""
     allowed = np.ones(sp.problem.times.shape, dtype=bool)
-    for k in sp.graph.kernels:
+    for k, own in zip(sp.graph.kernels, sp.problem_kernels(), strict=True):
         blk = block_of(k)
         if blk in ("attention", "ffn"):
-            allowed[k.index] = False
-            allowed[k.index, att if blk == "attention" else ffn] = True
+            allowed[own] = False
+            allowed[own, att if blk == "attention" else ffn] = True
     return allowed
 
 
 def _follow_residency(ctx: PlanContext, phase: PhaseSpec, targets, m: int, main_sp, main_assignment,
-                      pin_state: bool) -> np.ndarray:
+                      pin_state: bool, expert_parts: int = 1) -> np.ndarray:
     """Kernels of ``phase`` may run only where the main phase keeps the weights they read (and, with
     ``pin_state``, where it keeps the state they touch)."""
     mem = main_sp.problem.memory
     where: dict[str, set[int]] = {}
     for k, w in mem.reads:
         where.setdefault(mem.item_names[w], set()).add(int(main_assignment[k]))
-    sp = ctx.step_problem(phase, targets, m)
-    allowed = np.ones(sp.problem.times.shape, dtype=bool)
+    sp = ctx.step_problem(phase, targets, m, expert_parts)
     state = set(sp.graph.state)
-    for a in sp.graph.accesses:
-        buf = sp.graph.buffers[a.buffer]
-        if a.buffer in where and (buf.kind == "weight" or (pin_state and a.buffer in state)):
-            row = np.zeros(len(targets), dtype=bool)
-            row[list(where[a.buffer])] = True
-            allowed[a.kernel] &= row
-    dead = ~allowed.any(axis=1)
-    allowed[dead] = True  # a kernel reading weights held on two disjoint targets: let the solver choose
+    return residency_allowed(sp, {name: sorted(ts) for name, ts in where.items()
+                                  if pin_state or name.split("[")[0] not in state})
+
+
+def residency_allowed(sp, residency: dict[str, list[int]]) -> np.ndarray:
+    """[K, D]: kernel i may run on target d when d holds every resident item (by name) that i reads; a
+    kernel whose items are spread over targets with none holding them all may run anywhere."""
+    mem = sp.problem.memory
+    allowed = np.ones(sp.problem.times.shape, dtype=bool)
+    for k, w in mem.reads:
+        where = residency.get(mem.item_names[w])
+        if where is not None:
+            row = np.zeros(allowed.shape[1], dtype=bool)
+            row[where] = True
+            allowed[k] &= row
+    allowed[~allowed.any(axis=1)] = True
     return allowed
 
 
@@ -307,29 +317,32 @@ def attention_ffn(ctx: PlanContext, objective: str) -> DeploymentPlan:
 def _phase_loads(ctx: PlanContext, targets, chosen: Chosen) -> dict[str, np.ndarray]:
     """Each phase's seconds per request on each target (its cycle's busy time x repeats / rows)."""
     out = {}
-    for ph, m, a, _ in chosen:
-        ev = evaluate(ctx.step_problem(ph, targets, m).problem, a)
+    for ph, m, a, info in chosen:
+        ev = evaluate(ctx.step_problem(ph, targets, m, info.get("expert_parts", 1)).problem, a)
         out[ph.phase] = np.array(ev.busy_s) * ph.repeats / ph.rows
     return out
 
 
 def _phase_chain(ctx: PlanContext, targets, m: int, objective: str, blocks: tuple[int, int] | None = None,
-                 start=None, follow: bool = True, pin_state: bool = True, rounds: int = 1) -> list[Chosen]:
+                 start=None, follow: bool = True, pin_state: bool = True, rounds: int = 1,
+                 expert_parts: int = 1) -> list[Chosen]:
     """Solve the main phase (at M = m), then every other phase (where the main phase keeps its weights when
     ``follow``; with ``blocks`` = (attention target, FFN target), those kernels only there); then
-    ``rounds`` times re-solve each phase balanced against the others' load. Every round's result."""
+    ``rounds`` times re-solve each phase balanced against the others' load (``expert_parts`` > 1: expert
+    GEMMs split into that many expert groups in every phase). Every round's result."""
     main = ctx.main_phase
+    e = expert_parts
 
     def allowed_for(ph: PhaseSpec, mm: int) -> np.ndarray | None:
-        return None if blocks is None else _block_allowed(ctx.step_problem(ph, targets, mm), *blocks)
+        return None if blocks is None else _block_allowed(ctx.step_problem(ph, targets, mm, e), *blocks)
 
     def others(main_a, loads) -> dict:
         out = {}
-        main_sp = ctx.step_problem(main, targets, m)
+        main_sp = ctx.step_problem(main, targets, m, e)
         for ph in ctx.phases:
             if ph is main:
                 continue
-            allowed = _follow_residency(ctx, ph, targets, 1, main_sp, main_a, pin_state) if follow else None
+            allowed = _follow_residency(ctx, ph, targets, 1, main_sp, main_a, pin_state, e) if follow else None
             extra = allowed_for(ph, 1)
             if extra is not None:
                 allowed = extra if allowed is None else allowed & extra
@@ -337,18 +350,19 @@ def _phase_chain(ctx: PlanContext, targets, m: int, objective: str, blocks: tupl
             if loads is not None:  # the rest of a request's work, in this phase's per-step seconds
                 offsets = sum(v for k, v in loads.items() if k != ph.phase) * ph.rows / ph.repeats
             obj = "latency" if objective == "latency" else "throughput"
-            a, inf = _solve_folded(ctx, ph, targets, 1, obj, allowed, memory=not follow, offsets=offsets)
+            a, inf = _solve_folded(ctx, ph, targets, 1, obj, allowed, memory=not follow, offsets=offsets,
+                                   expert_parts=e)
             out[ph.phase] = (ph, 1, a, inf)
         return out
 
-    main_a, info = _solve_folded(ctx, main, targets, m, objective, allowed_for(main, m), start)
+    main_a, info = _solve_folded(ctx, main, targets, m, objective, allowed_for(main, m), start, expert_parts=e)
     chosen = {main.phase: (main, m, main_a, info), **others(main_a, None)}
     results = [[chosen[ph.phase] for ph in ctx.phases]]
     for _ in range(rounds if objective == "throughput" and len(ctx.phases) > 1 else 0):
         loads = _phase_loads(ctx, targets, results[-1])
         offsets = sum(v for k, v in loads.items() if k != main.phase) * main.rows / main.repeats / m
         main_a, info = _solve_folded(ctx, main, targets, m, objective, allowed_for(main, m), main_a,
-                                     offsets=offsets)
+                                     offsets=offsets, expert_parts=e)
         chosen = {main.phase: (main, m, main_a, info)}
         loads[main.phase] = _phase_loads(ctx, targets, [chosen[main.phase]])[main.phase]
         chosen.update(others(main_a, loads))
@@ -448,9 +462,13 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
                 if b.replicas == r and step is not None and step.micro_batches == m and len(b.targets) == len(targets):
                     start = tuple(step.assignment)
                     break
-            for follow, pin_state in ((True, True), (False, False)):
+            variants = [(True, True, 1), (False, False, 1)]
+            if ctx.spec.family == "moe":  # experts may also be split over the targets
+                variants.append((True, True, EXPERT_PARTS))
+            for follow, pin_state, parts in variants:
                 try:
-                    results = _phase_chain(ctx, targets, m, objective, None, start, follow, pin_state)
+                    results = _phase_chain(ctx, targets, m, objective, None, start if parts == 1 else None,
+                                           follow, pin_state, expert_parts=parts)
                 except (SolverError, PlanningError) as e:
                     ctx.say(f"tessera: replicas {r}, M={m}: {e}")
                     continue

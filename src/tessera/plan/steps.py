@@ -8,8 +8,6 @@ bucket (at most ``LATENCY_BUCKET`` sequences in flight, M = 1), where the servin
 
 from __future__ import annotations
 
-import numpy as np
-
 from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DeploymentPlan, StepPlan
 from tessera.plan.targets import Target, cluster_targets
@@ -25,21 +23,9 @@ def plan_targets(ctx: PlanContext, plan: DeploymentPlan) -> list[Target]:
     return targets
 
 
-def _allowed_by_residency(ctx: PlanContext, plan: DeploymentPlan, sp) -> np.ndarray:
-    allowed = np.ones(sp.problem.times.shape, dtype=bool)
-    for a in sp.graph.accesses:
-        where = plan.residency.get(a.buffer)
-        if where is not None:
-            row = np.zeros(allowed.shape[1], dtype=bool)
-            row[where] = True
-            allowed[a.kernel] &= row
-    allowed[~allowed.any(axis=1)] = True
-    return allowed
-
-
 def add_objective_steps(ctx: PlanContext, plan: DeploymentPlan, objective: str) -> DeploymentPlan:
     """Add ``objective`` step plans (M = 1 for latency; the primary plan's M for throughput) to ``plan``."""
-    from tessera.plan.policies import _solve_folded
+    from tessera.plan.policies import _solve_folded, residency_allowed
 
     if not plan.applicable or "replicas" in plan.extra or any(s.objective == objective for s in plan.steps):
         return plan  # request distribution: each replica is a homogeneous deployment of its own
@@ -50,8 +36,10 @@ def add_objective_steps(ctx: PlanContext, plan: DeploymentPlan, objective: str) 
     chosen = []
     for ph in ctx.phases:
         m = 1 if objective == "latency" else primary[ph.phase].micro_batches
-        sp = ctx.step_problem(ph, targets, m)
-        a, info = _solve_folded(ctx, ph, targets, m, objective, _allowed_by_residency(ctx, plan, sp), memory=False)
+        parts = primary[ph.phase].solver.get("expert_parts", 1)
+        sp = ctx.step_problem(ph, targets, m, parts)
+        a, info = _solve_folded(ctx, ph, targets, m, objective, residency_allowed(sp, plan.residency), memory=False,
+                                expert_parts=parts)
         chosen.append((ph, m, a, info))
     other = ctx.assemble(plan.policy, targets, plan.replicas, chosen, objective, device=plan.device)
     for s in other.steps:
