@@ -59,7 +59,12 @@ def test_homogeneous_plan_is_the_cost_model_step_time(smollm2_compare):
     t = CostModel(resolve_device("A100")).step_time(graph)
     assert decode.cycle_s == pytest.approx(t)
     prefill = a100.step("prefill").cycle_s
-    assert a100.throughput == pytest.approx(64 / max(prefill + 64 / 8 * t, 64 / 8 * t))
+    request = prefill + 64 / 8 * t  # one prefill plus 64 decode steps shared by 8 rows, on the same device
+    assert a100.request_time_s == pytest.approx(request)
+    assert a100.extra["steady_state_throughput"] == pytest.approx(64 / request)
+    # 32 requests arrive at once, 8 in flight: four waves of a whole request's latency, or the work
+    makespan = max(32 * request, 4 * (a100.ttft_s + 64 * t))
+    assert a100.throughput == pytest.approx(32 * 64 / makespan)
 
 
 def test_prefill_decode_moves_the_kv_cache_and_costs_it(smollm2_compare):

@@ -235,11 +235,26 @@ class PlanContext:
         else:
             plan.latency_s = main.cycle_s if objective == "throughput" else main.critical_path_s
             plan.ttft_s = sum(s.critical_path_s for s in before_main) + move_s
+        self._finite_throughput(plan, main, replicas)
         if not plan.feasible:
             over = [f"{targets[i].name} needs {(memory[i] - capacity[i]) / 1e9:.1f} GB more "
                     f"({memory[i] / 1e9:.1f} of {capacity[i] / 1e9:.1f} GB)" for i in range(d) if memory[i] > capacity[i]]
             plan.reason = (plan.reason + "; " if plan.reason else "") + "does not fit: " + ", ".join(over)
         return plan
+
+    def _finite_throughput(self, plan: DeploymentPlan, main: StepPlan, replicas: int) -> None:
+        """For a finite workload arriving at once (``fixed:``, ``images:``), throughput is outputs over the
+        makespan: the per-request work of all requests, or the waves of at most a batch in flight each
+        taking a request's whole latency, whichever is longer. The steady state stays in ``extra``."""
+        n = getattr(self.workload, "requests", None)
+        if n is None or isinstance(self.workload, PoissonWorkload) or plan.request_time_s <= 0:
+            return
+        waves = -(-n // (main.rows * replicas))
+        one = plan.latency_s if self.unit == "images/s" else plan.ttft_s + main.repeats * plan.latency_s
+        makespan = max(n * plan.request_time_s / replicas, waves * one)
+        plan.extra["steady_state_throughput"] = plan.throughput
+        plan.extra["makespan_s"] = makespan
+        plan.throughput = n * self.outputs_per_request / makespan
 
     def _order(self, phase: str) -> int:
         return [p.phase for p in self.phases].index(phase)

@@ -10,8 +10,9 @@ a phase also cannot run faster than its own cycle. So a request costs
     T = max(max over resources of the summed per-request load, max over phases of repeats/rows x cycle)
 
 seconds of the deployment, ``replicas`` copies serve in parallel, and the throughput is
-``replicas x out / T`` tokens/s (images/s for diffusion). Phases placed on disjoint targets overlap
-(prefill-decode disaggregation); phases sharing a target add up on it.
+``replicas x out / T`` tokens/s (images/s for diffusion) in the steady state. Phases placed on
+disjoint targets overlap (prefill-decode disaggregation); phases sharing a target add up on it. A
+finite workload that arrives at once (``fixed:``, ``images:``) reports outputs over its makespan.
 """
 
 from __future__ import annotations
