@@ -14,6 +14,12 @@ The two objectives (both in seconds):
   overlaps and the cycle is the critical path).
 * **latency**: the critical path of one micro-batch: compute plus the transfers of cut edges on it.
 
+Both count a critical path over the dependency graph (plus the transfers of cut loop edges): kernels
+without a path between them may overlap even on one device. Reported plans
+(:mod:`tessera.plan.evaluate`) also bound a micro-batch's step by the busiest device's serial work,
+which leaves every throughput cycle unchanged (M x busiest device already bounds it) and makes
+reported latencies no shorter than one device's work.
+
 Memory (optional): ``items`` are resident objects (weights, state) with bytes; an item lives on every
 device that runs a kernel reading it, and each device's items must fit its ``capacity``.
 """
