@@ -97,14 +97,15 @@ class PlanContext:
     routing_skew: float = 0.0
     price_scenario: str = "relative"
     fold_chunks: int = 4
-    gap: float = 0.005
-    time_limit_s: float = 20.0
+    gap: float = 0.01
+    time_limit_s: float = 0.9  # per step solve: the best placement found and its proven gap by then
     progress: Any = None  # callable(str) for progress lines, or None
 
     def __post_init__(self) -> None:
         self.spec = resolve_model(self.model)
         self.phases, self.outputs_per_request, self.unit = workload_phases(self.spec.family, self.workload,
                                                                            self.max_batch)
+        self.solve_seconds = 0.0  # spent in the placement solver so far (shared with for_batch children)
         self._graphs: dict[tuple, KernelGraph] = {}
         self._problems: dict[tuple, StepProblem] = {}
         self._folded: dict[tuple, Merged] = {}
@@ -122,7 +123,21 @@ class PlanContext:
                             self.profile, self.routing_skew, self.price_scenario, self.fold_chunks, self.gap,
                             self.time_limit_s, self.progress)
         child._graphs, child._problems, child._folded = self._graphs, self._problems, self._folded
+        child._solved = self.__dict__.setdefault("_solved", {})
+        child._parent = self
         return child
+
+    def add_solve_time(self, seconds: float) -> None:
+        """Count solver time here and in the context this one was split from."""
+        self.solve_seconds += seconds
+        parent = getattr(self, "_parent", None)
+        if parent is not None:
+            parent.add_solve_time(seconds)
+
+    def can_hold(self, targets: list[Target]) -> bool:
+        """Whether the targets together have room for the main phase's weights and state at all."""
+        mem = self.step_problem(self.main_phase, targets, 1).problem.memory
+        return mem is None or float(mem.item_bytes.sum()) <= float(mem.capacity.sum())
 
     def say(self, text: str) -> None:
         if self.progress is not None:

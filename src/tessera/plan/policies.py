@@ -44,6 +44,7 @@ NOT_APPLICABLE = {
 }
 MAX_PIPELINE_CANDIDATES = 200_000
 EXPERT_PARTS = 2  # expert groups per grouped GEMM when Tessera splits an MoE layer's experts
+OTHER_PHASE_TIME_SHARE = 0.3  # of a step solve's time limit for the phases a request needs once (prefill)
 
 Chosen = list[tuple[PhaseSpec, int, tuple[int, ...], dict]]
 
@@ -219,7 +220,7 @@ def _split_by(group: list[int], allowed: np.ndarray) -> list[list[int]]:
 def _solve_folded(ctx: PlanContext, phase: PhaseSpec, targets: list[Target], m: int, objective: str,
                   allowed: np.ndarray | None = None, start: tuple[int, ...] | None = None,
                   memory: bool = True, offsets: np.ndarray | None = None,
-                  expert_parts: int = 1) -> tuple[tuple[int, ...], dict]:
+                  expert_parts: int = 1, time_share: float = 1.0) -> tuple[tuple[int, ...], dict]:
     """Solve a phase on its folded problem (optionally restricted, and balanced against ``offsets``: other
     phases' seconds per micro-batch on each target); the unfolded assignment and solver info."""
     folded = ctx.folded(phase, targets, m, expert_parts)
@@ -246,12 +247,23 @@ def _solve_folded(ctx: PlanContext, phase: PhaseSpec, targets: list[Target], m: 
     problem = _with_offsets(problem, offsets if objective == "throughput" else None)
     if folded_start is not None and problem.kernels > k:
         folded_start = (*folded_start, *range(problem.kernels - k))
+    key = (phase.phase, phase.batch, m, tuple(t.members for t in targets), expert_parts, objective, memory,
+           None if allowed is None else allowed.tobytes(), None if offsets is None else np.round(offsets, 12).tobytes(),
+           folded_start)
+    memo = ctx.__dict__.setdefault("_solved", {})
+    if key in memo:  # the same problem again (another variant or round reached it): reuse the answer
+        assignment, info = memo[key]
+        return assignment, dict(info, reused=True)
     t0 = time.perf_counter()
-    placement = solve_placement(problem, objective, gap=ctx.gap, time_limit_s=ctx.time_limit_s, start=folded_start)
+    placement = solve_placement(problem, objective, gap=ctx.gap, time_limit_s=ctx.time_limit_s * time_share,
+                                start=folded_start)
+    solve_s = time.perf_counter() - t0
+    ctx.add_solve_time(solve_s)
     info = {"method": "milp (folded)", "kernels": k, "gap": placement.gap, "bound_s": placement.bound,
-            "value_s": placement.value, "optimal": placement.optimal, "solve_s": time.perf_counter() - t0,
+            "value_s": placement.value, "optimal": placement.optimal, "solve_s": solve_s,
             "expert_parts": expert_parts}
-    return folded.unfold(placement.assignment[:k]), info
+    memo[key] = (folded.unfold(placement.assignment[:k]), info)
+    return memo[key][0], info
 
 
 def _block_allowed(sp, att: int, ffn: int) -> np.ndarray:
@@ -300,6 +312,8 @@ def attention_ffn(ctx: PlanContext, objective: str) -> DeploymentPlan:
     for r in replica_counts(ctx.cluster):
         rctx = _replica(ctx, r)
         targets = cluster_targets(ctx.cluster, r)
+        if r > 1 and not rctx.can_hold(targets):
+            continue
         for att, ffn in itertools.permutations(range(len(targets)), 2):
             for m in rctx.micro_batch_options(rctx.main_phase, minimum=1 if objective == "latency" else 2):
                 try:
@@ -351,7 +365,7 @@ def _phase_chain(ctx: PlanContext, targets, m: int, objective: str, blocks: tupl
                 offsets = sum(v for k, v in loads.items() if k != ph.phase) * ph.rows / ph.repeats
             obj = "latency" if objective == "latency" else "throughput"
             a, inf = _solve_folded(ctx, ph, targets, 1, obj, allowed, memory=not follow, offsets=offsets,
-                                   expert_parts=e)
+                                   expert_parts=e, time_share=OTHER_PHASE_TIME_SHARE)
             out[ph.phase] = (ph, 1, a, inf)
         return out
 
@@ -377,6 +391,8 @@ def layer_pipeline(outer: PlanContext, objective: str) -> DeploymentPlan:
         ctx = _replica(outer, r)
         main = ctx.main_phase
         targets = cluster_targets(ctx.cluster, r)
+        if r > 1 and not ctx.can_hold(targets):
+            continue
         ms = ctx.micro_batch_options(main) if objective == "throughput" else [1]
         for m in ms:
             sp = ctx.step_problem(main, targets, m)
@@ -446,6 +462,23 @@ def _same_stack(ctx: PlanContext, phase: PhaseSpec) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 # Tessera
 
+def _promising_m(ctx: PlanContext, targets, objective: str, keep: int = 2) -> list[int]:
+    """The M values worth the full search: the main phase alone is solved at every M and the ``keep`` with
+    the shortest cycles go on (the baselines' plans, which Tessera also weighs, cover the other M)."""
+    options = ctx.micro_batch_options(ctx.main_phase) if objective == "throughput" else [1]
+    if len(options) <= keep:
+        return options
+    main = ctx.main_phase
+    scored = []
+    for m in options:
+        try:
+            a, _ = _solve_folded(ctx, main, targets, m, objective)
+        except (SolverError, PlanningError):
+            continue
+        scored.append((evaluate(ctx.step_problem(main, targets, m).problem, a).cycle_s, m))
+    return sorted(m for _, m in sorted(scored)[:keep])
+
+
 def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | None = None) -> DeploymentPlan:
     """Kernel placement over folded layers, replicas and M; never worse than the baselines it contains."""
     best = None
@@ -455,7 +488,10 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
         ctx = _replica(outer, r)
         main = ctx.main_phase
         targets = cluster_targets(ctx.cluster, r)
-        for m in ctx.micro_batch_options(main) if objective == "throughput" else [1]:
+        if r > 1 and not ctx.can_hold(targets):
+            ctx.say(f"tessera: {r} replicas cannot hold the model's weights and state; skipped")
+            continue
+        for m in _promising_m(ctx, targets, objective):
             start = None
             for b in seeds:
                 step = b.step(main.phase, objective) or b.step(main.phase)
