@@ -79,7 +79,7 @@ def test_prefill_decode_moves_the_kv_cache_and_costs_it(smollm2_compare):
 
 
 def test_tessera_chooses_a_state_move_when_prefill_runs_elsewhere():
-    ctx = context("smollm2-135m", "A100:1,L40S:1", "fixed:in=2048,out=32,requests=32", 16)
+    ctx = context("smollm2-135m", "H100:1,L40S:1", "fixed:in=2048,out=64,requests=32", 16)
     plan = plan_policy(ctx, "tessera")
     assert plan.feasible and plan.state_moves
     prefill, decode = plan.step("prefill"), plan.step("decode")
