@@ -35,6 +35,11 @@ DEFAULT_WORKLOAD = "fixed:in=1024,out=1024,requests=192"
 COLUMNS = ("homogeneous", "request-dist", "prefill-decode", "attention-ffn", "layer-pipeline", "tessera")
 
 
+def _num(x: float) -> str:
+    """Whole numbers from 100 up, three significant digits below (images/s are small)."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def shape_of(ctx: PlanContext, plan) -> str:
     """What runs where in a plan's main step: each target's share of attention, FFN and other time."""
     step = plan.step(ctx.main_phase.phase)
@@ -88,7 +93,7 @@ def run(models, pairs) -> list[str]:
                     elif not p.feasible:
                         texts.append(f"{label}no fit")
                     else:
-                        texts.append(f"{label}{p.throughput:,.1f} ({p.throughput_per_cost:,.1f})")
+                        texts.append(f"{label}{_num(p.throughput)} ({_num(p.throughput_per_cost)})")
                 cells.append("<br>".join(texts))
             tess = plans[-1]
             base = [p for p in plans[:-1] if p.applicable and p.feasible]
