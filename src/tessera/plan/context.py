@@ -99,6 +99,7 @@ class PlanContext:
     fold_chunks: int = 4
     gap: float = 0.01
     time_limit_s: float = 0.9  # per step solve: the best placement found and its proven gap by then
+    search_time_s: float = 8.0  # solver seconds after which Tessera's search tries no further candidates
     progress: Any = None  # callable(str) for progress lines, or None
 
     def __post_init__(self) -> None:
@@ -121,7 +122,7 @@ class PlanContext:
             return self
         child = PlanContext(self.model, self.cluster, self.workload, self.workload_text, batch, self.options,
                             self.profile, self.routing_skew, self.price_scenario, self.fold_chunks, self.gap,
-                            self.time_limit_s, self.progress)
+                            self.time_limit_s, self.search_time_s, self.progress)
         child._graphs, child._problems, child._folded = self._graphs, self._problems, self._folded
         child._solved = self.__dict__.setdefault("_solved", {})
         child._parent = self

@@ -476,7 +476,7 @@ def _promising_m(ctx: PlanContext, targets, objective: str, keep: int = 2) -> li
         except (SolverError, PlanningError):
             continue
         scored.append((evaluate(ctx.step_problem(main, targets, m).problem, a).cycle_s, m))
-    return sorted(m for _, m in sorted(scored)[:keep])
+    return [m for _, m in sorted(scored)[:keep]]  # the most promising first
 
 
 def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | None = None) -> DeploymentPlan:
@@ -484,6 +484,8 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
     best = None
     outer = ctx
     seeds = [b for b in (baselines or []) if b.applicable and b.feasible and b.policy != "request-dist"]
+    began = outer.solve_seconds
+    stopped = ""
     for r in replica_counts(outer.cluster):
         ctx = _replica(outer, r)
         main = ctx.main_phase
@@ -502,6 +504,10 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
             if ctx.spec.family == "moe":  # experts may also be split over the targets
                 variants.append((True, True, EXPERT_PARTS))
             for follow, pin_state, parts in variants:
+                if best is not None and outer.solve_seconds - began > outer.search_time_s:
+                    stopped = (f"the search stopped at its {outer.search_time_s:g} s solver budget before replicas {r}, "
+                               f"M={m}")
+                    break
                 try:
                     results = _phase_chain(ctx, targets, m, objective, None, start if parts == 1 else None,
                                            follow, pin_state, expert_parts=parts)
@@ -514,6 +520,8 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
                     f"{'' if best.feasible else ' (does not fit memory)'}" if best else
                     f"tessera: replicas {r}, M={m}: no plan")
     ctx = outer
+    if stopped:
+        ctx.say(f"tessera: {stopped}")
     for b in baselines or []:
         if not (b.applicable and b.feasible):
             continue
@@ -526,4 +534,6 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
             best = tie
     if best is None:
         raise PlanningError("Tessera found no plan that fits the devices' memory")
+    if stopped:
+        best.extra["search"] = stopped
     return best
