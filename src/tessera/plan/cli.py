@@ -106,38 +106,36 @@ def plan(
 
 
 def _table(plans, ctx, objective: str) -> None:
+    """The comparison table (numbers only, so it fits a terminal), then each policy's memory and notes."""
     unit = plans[0].unit
-    cost = "$/h" if ctx.price_scenario == "cloud_usd" else "cost/h (rel.)"
-    title = (f"{ctx.model} on {ctx.cluster.describe()}, {ctx.workload_text}, objective {objective} "
-             "- predicted by the cost model")
-    table = Table(title=title)
-    for col in ("policy", unit, cost, f"{unit} per cost", "latency/token" if unit == "tokens/s" else "latency/image",
-                "TTFT" if unit == "tokens/s" else "", "memory per device (GB)", "M", "notes"):
+    per = "token" if unit == "tokens/s" else "image"
+    cost = "$/h" if ctx.price_scenario == "cloud_usd" else "cost/h"
+    table = Table(title=f"{ctx.model} on {ctx.cluster.describe()}\n{ctx.workload_text}, objective {objective} "
+                        "(predicted)")
+    for col in ("policy", unit, cost, "per cost", f"latency/{per}", "TTFT" if per == "token" else "", "M"):
         if col:
-            table.add_column(col, justify="left" if col in ("policy", "notes") else "right")
+            table.add_column(col, justify="left" if col == "policy" else "right")
     best = max((p.throughput for p in plans if p.applicable and p.feasible), default=0.0)
+    notes = []
     for p in plans:
         name = p.policy + (f" ({p.device})" if p.device else "")
         if not p.applicable:
-            cells = ["n/a"] * 5
-            cells.append("")
-            cells.append("")
-            row = [name, *cells[:4]] + ([cells[4]] if unit == "tokens/s" else []) + ["", "", f"not applicable: {p.reason}"]
-            table.add_row(*row)
+            table.add_row(name, "n/a", *[""] * (4 if per == "token" else 3), "")
+            notes.append(f"{name}: not applicable: {p.reason}")
             continue
         decode = next((s for s in p.steps if s.objective == objective and s.repeats > 1), None)
-        mem = ", ".join(f"{t} {b / 1e9:.1f}" for t, b in zip(p.targets, p.memory_bytes, strict=False))
         shown = "[bold]" if p.throughput == best and p.feasible else ""
-        row = [name, f"{shown}{p.throughput:,.1f}" if p.feasible else "does not fit", f"{p.cost_per_hour:.2f}",
+        row = [name, f"{shown}{p.throughput:,.1f}" if p.feasible else "no fit", f"{p.cost_per_hour:.2f}",
                f"{p.throughput_per_cost:,.1f}" if p.feasible else "-", _ms(p.latency_s)]
-        if unit == "tokens/s":
+        if per == "token":
             row.append(_ms(p.ttft_s))
-        notes = p.reason
-        if p.replicas > 1:
-            notes = f"{p.replicas} replicas; " + notes
-        row += [mem, str(decode.micro_batches) if decode else "-", notes]
-        table.add_row(*row)
+        table.add_row(*row, str(decode.micro_batches) if decode else "-")
+        mem = ", ".join(f"{t} {b / 1e9:.1f} GB" for t, b in zip(p.targets, p.memory_bytes, strict=False))
+        extra = f"{p.replicas} replicas; " if p.replicas > 1 else ""
+        notes.append(f"{name}: {extra}memory {mem}" + (f"; {p.reason}" if p.reason else ""))
     _out.print(table)
+    for line in notes:
+        _out.print(f"  {line}")
     tess = plans[-1]
     base = [p for p in plans[:-1] if p.applicable and p.feasible]
     if len(plans) > 1 and tess.policy == "tessera" and base and tess.feasible:
