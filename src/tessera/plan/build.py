@@ -26,6 +26,7 @@ from tessera.cost.routing import RoutingDistribution
 from tessera.graph.ir import KernelGraph
 from tessera.hardware.cluster import Cluster
 from tessera.plan.experts import SplitMapping
+from tessera.plan.groups import DeviceGroup, default_routing, group_kernel_times
 from tessera.plan.problem import MemorySpec, PlacementProblem
 from tessera.plan.targets import Target, link_between
 
@@ -82,8 +83,6 @@ def target_times(graph: KernelGraph, features: list[KernelFeatures], target: Tar
     model = CostModel(target.spec, options, usable)
     if target.size == 1:
         return np.array([c.time_s for c in model.kernel_costs(graph, features)])
-    from tessera.plan.groups import DeviceGroup, group_kernel_times
-
     group = DeviceGroup(target.spec, target.size, target.intra, tp=target.size, ep=target.size)
     return np.asarray(group_kernel_times(graph, features, model, group, routing).total_s, dtype=float)
 
@@ -157,7 +156,7 @@ def build_step_problem(graph: KernelGraph, targets: list[Target], cluster: Clust
     """The placement problem of one step (``graph`` traced at the micro-batch size) over ``targets``
     (``expert_parts`` > 1: every grouped expert GEMM split into that many expert groups plus a combine)."""
     features = FeatureExtractor(graph, options).all()
-    routing = _routing(graph, routing_skew)
+    routing = default_routing(graph, routing_skew)
     times = np.stack([target_times(graph, features, t, options, profile, routing) for t in targets], axis=1)
     d = len(targets)
     bandwidth, latency = np.full((d, d), np.inf), np.zeros((d, d))
@@ -199,16 +198,3 @@ def _split_experts(problem: PlacementProblem, features: list[KernelFeatures], ta
                                      weight_shares(routing.experts, n))
         mapping = step if mapping is None else mapping.then(step)
     return problem, mapping
-
-
-def _routing(graph: KernelGraph, skew: float) -> RoutingDistribution | None:
-    """The routing distribution of an MoE model's experts, read off its first grouped expert GEMM
-    (experts from the weight, top-k from routed rows per token); None for dense models."""
-    from tessera.cost.features import cost_class
-
-    tokens = int(graph.meta.get("batch", 1)) * int(graph.meta.get("seq", 1))
-    for k in graph.kernels:
-        if cost_class(k) == "grouped_gemm" and len(k.shapes) > 1 and len(k.shapes[1]) == 3:
-            experts, rows = k.shapes[1][0], k.shapes[0][0]
-            return RoutingDistribution(experts, max(1, min(experts, rows // max(tokens, 1))), skew)
-    return None

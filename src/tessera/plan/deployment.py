@@ -132,13 +132,10 @@ class DeploymentPlan:
     @classmethod
     def load(cls, path: str | Path) -> DeploymentPlan:
         """Read a plan file (clear errors for unreadable or incompatible files)."""
+        from tessera.documents import read_json
+
         path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except OSError as e:
-            raise PlanFileError(f"plan file {path}: cannot read it ({e.strerror})") from None
-        except json.JSONDecodeError as e:
-            raise PlanFileError(f"plan file {path}: not JSON ({e})") from None
+        d = read_json(path, "plan file", PlanFileError, "make it with `tessera plan ... -o FILE`")
         if not isinstance(d, dict) or d.get("version") != PLAN_VERSION:
             raise PlanFileError(f"plan file {path}: not a Tessera plan of version {PLAN_VERSION}; make it again "
                                 "with `tessera plan ... -o FILE`")
