@@ -309,5 +309,5 @@ class PlanContext:
                 if name not in holder:
                     b = graph.buffers[name]
                     scale = self.options.kv_scale(b.dtype) if is_kv_buffer(name) else 1.0
-                    holder[name] = (t, b.nbytes * scale * (phase.batch and 1 / phase.batch))
+                    holder[name] = (t, b.nbytes * scale / max(phase.batch, 1))  # one request's share
         return moves
