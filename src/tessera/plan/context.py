@@ -210,7 +210,7 @@ class PlanContext:
                                   sp.graph_assignment(assignment), ev.cycle_s, ev.critical_path_s, list(ev.busy_s),
                                   [list(r) for r in ev.link_s], ev.cut_edges, ev.cut_bytes, dict(info),
                                   {str(k): v for k, v in sp.expert_parts(assignment).items()}))
-        residency, item_bytes = self._residency(problems)
+        residency, item_bytes = self.residency(problems)
         moves = self._state_moves(problems, targets)
         d = len(targets)
         memory = np.zeros(d)
@@ -276,8 +276,9 @@ class PlanContext:
         return [p.phase for p in self.phases].index(phase)
 
     @staticmethod
-    def _residency(problems) -> tuple[dict[str, set[int]], dict[str, float]]:
-        """Items (by buffer name) and the targets holding them, over all phases; bytes the largest seen."""
+    def residency(problems) -> tuple[dict[str, set[int]], dict[str, float]]:
+        """Items (by buffer name) and the targets holding them, over the (phase, step problem, assignment)
+        triples; each item's bytes the largest seen."""
         where: dict[str, set[int]] = {}
         size: dict[str, float] = {}
         for _, sp, assignment in problems:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tessera.plan.enumerate import busy_times, critical_paths, link_loads, memory_fits, memory_use
 from tessera.plan.problem import PlacementProblem
 
 
@@ -36,47 +37,20 @@ class StepEvaluation:
 
 
 def evaluate(problem: PlacementProblem, assignment: tuple[int, ...] | list[int]) -> StepEvaluation:
-    """The throughput and latency objectives of ``assignment`` and what makes them up."""
+    """The throughput and latency objectives of ``assignment`` and what makes them up (the enumerator's
+    evaluators, for one assignment)."""
     a = np.asarray(assignment, dtype=int)
-    k, d = problem.times.shape
+    one = a[None, :]
     m = problem.micro_batches
-    t = problem.times[np.arange(k), a]
-    busy = np.bincount(a, weights=t, minlength=d) * m
-    link = np.zeros((d, d))
-    finish = np.zeros(k)
-    start = np.zeros(k)
-    cut = 0
-    cut_bytes = 0.0
-    for (src, dst, nbytes), count in zip(problem.edges, problem.messages, strict=True):
-        cost = problem.transfer_time(nbytes, a[src], a[dst], count)
-        if a[src] != a[dst]:
-            link[a[src], a[dst]] += cost * m
-            cut += 1
-            cut_bytes += nbytes * m
-    preds: dict[int, list[tuple[int, float]]] = {}
-    for (src, dst, nbytes), count in zip(problem.edges, problem.messages, strict=True):
-        preds.setdefault(dst, []).append((src, problem.transfer_time(nbytes, a[src], a[dst], count)))
-    for j in range(k):
-        start[j] = max((finish[s] + c for s, c in preds.get(j, ())), default=0.0)
-        finish[j] = start[j] + t[j]
-    loops = 0.0
-    for src, dst, nbytes, count in problem.loop_edges:
-        if a[src] != a[dst]:
-            cost = problem.transfer_time(nbytes, a[src], a[dst], count)
-            link[a[src], a[dst]] += cost * m
-            loops += cost
-            cut += 1
-            cut_bytes += nbytes * m
+    busy = busy_times(problem, one)[0] * m
+    link = link_loads(problem, one)[0] * m
+    loops = sum(problem.transfer_time(nbytes, a[src], a[dst], count) for src, dst, nbytes, count in problem.loop_edges)
     # one device runs its kernels one after another: a micro-batch also waits for the busiest device
-    cp = float(max(finish.max(initial=0.0), busy.max(initial=0.0) / m) + loops)
-    resident = np.zeros(d)
-    ok = True
-    if problem.memory is not None:
-        on = np.zeros((len(problem.memory.item_bytes), d), dtype=bool)
-        for i, w in problem.memory.reads:
-            on[w, a[i]] = True
-        resident = (on * problem.memory.item_bytes[:, None]).sum(axis=0)
-        ok = bool((resident <= problem.memory.capacity * (1 + 1e-9)).all())
+    cp = float(max(critical_paths(problem, one)[0], busy.max(initial=0.0) / m + loops))
+    cut = [(src, dst, nbytes) for src, dst, nbytes in problem.edges if a[src] != a[dst]]
+    cut += [(src, dst, nbytes) for src, dst, nbytes, _ in problem.loop_edges if a[src] != a[dst]]
+    resident = memory_use(problem, one)[0]
     cycle = float(max(busy.max(initial=0.0), link.max(initial=0.0), cp))
-    return StepEvaluation(cycle, cp, tuple(busy.tolist()), tuple(tuple(r) for r in link.tolist()), cut,
-                          cut_bytes, tuple(resident.tolist()), ok)
+    return StepEvaluation(cycle, cp, tuple(busy.tolist()), tuple(tuple(r) for r in link.tolist()), len(cut),
+                          m * sum(nbytes for *_, nbytes in cut), tuple(resident.tolist()),
+                          bool(memory_fits(problem, one)[0]))

@@ -92,14 +92,10 @@ def _best(plans, objective: str) -> DeploymentPlan | None:
     return best
 
 
-def _everywhere(ctx: PlanContext, targets: list[Target], target: int, ms: dict[str, int] | None = None) -> Chosen:
-    """Every phase's kernels on one target (M = 1 unless given)."""
-    out = []
-    for ph in ctx.phases:
-        m = (ms or {}).get(ph.phase, 1)
-        k = ctx.step_problem(ph, targets, m).problem.kernels
-        out.append((ph, m, (target,) * k, {"method": "fixed"}))
-    return out
+def _everywhere(ctx: PlanContext, targets: list[Target], target: int) -> Chosen:
+    """Every phase's kernels on one target (M = 1)."""
+    return [(ph, 1, (target,) * ctx.step_problem(ph, targets, 1).problem.kernels, {"method": "fixed"})
+            for ph in ctx.phases]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -281,10 +277,7 @@ def _follow_residency(ctx: PlanContext, phase: PhaseSpec, targets, m: int, main_
                       pin_state: bool, expert_parts: int = 1) -> np.ndarray:
     """Kernels of ``phase`` may run only where the main phase keeps the weights they read (and, with
     ``pin_state``, where it keeps the state they touch)."""
-    mem = main_sp.problem.memory
-    where: dict[str, set[int]] = {}
-    for k, w in mem.reads:
-        where.setdefault(mem.item_names[w], set()).add(int(main_assignment[k]))
+    where, _ = ctx.residency([(ctx.main_phase, main_sp, main_assignment)])
     sp = ctx.step_problem(phase, targets, m, expert_parts)
     state = set(sp.graph.state)
     return residency_allowed(sp, {name: sorted(ts) for name, ts in where.items()
