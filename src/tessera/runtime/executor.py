@@ -76,8 +76,12 @@ class Executor:
         return t.set_(storage, ref.offset, ref.sizes, ref.strides)
 
     def _bind_output(self, ref: TensorRef, value: torch.Tensor) -> None:
-        if ref.buffer in self.storages:
-            return  # written in place
+        present = self.storages.get(ref.buffer)
+        if present is not None:
+            if value.untyped_storage().data_ptr() != present.data_ptr():
+                # the buffer already holds bytes (received from another device): the new ones go into it
+                self._materialize(ref).copy_(value)
+            return  # else written in place
         buf = self.graph.buffers[ref.buffer]
         st = value.untyped_storage()
         if (st.nbytes() == buf.nbytes and value.storage_offset() == ref.offset
@@ -109,9 +113,24 @@ class Executor:
 
     def prepare(self, inputs: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
         """Start a step: bind weights, constants, ``inputs`` and ``state``; no activation exists yet."""
-        self.storages = dict(self._static)
-        self._bind_inputs("input", self.graph.inputs, inputs)
-        self._bind_inputs("state", self.graph.state, state)
+        self.prepare_microbatches([inputs], [state])
+
+    def prepare_microbatches(self, inputs: list[Mapping[str, torch.Tensor]], state: list[Mapping[str, torch.Tensor]],
+                             input_names: list[str] | None = None, state_names: list[str] | None = None) -> None:
+        """Start a step of ``len(inputs)`` micro-batches, each with its own buffer instances, inputs and state
+        (only ``input_names`` / ``state_names`` are bound, all of the graph's by default); micro-batch 0 is
+        selected."""
+        self.instances = []
+        for mb_inputs, mb_state in zip(inputs, state, strict=True):
+            self.storages = dict(self._static)
+            self._bind_inputs("input", self.graph.inputs if input_names is None else input_names, mb_inputs)
+            self._bind_inputs("state", self.graph.state if state_names is None else state_names, mb_state)
+            self.instances.append(self.storages)
+        self.storages = self.instances[0]
+
+    def select(self, microbatch: int) -> None:
+        """Make ``microbatch``'s buffer instances the current ones."""
+        self.storages = self.instances[microbatch]
 
     def bind_kernel(self, index: int) -> tuple[Any, list[Any], dict[str, Any]]:
         """The op of kernel ``index`` and its arguments as tensors over the current storages.
@@ -145,6 +164,8 @@ class Executor:
 
     def run(self, inputs: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Execute the program; ``state`` tensors are updated in place; returns the step outputs."""
+        if self.program.micro_batches != 1:
+            raise ExecutionError("a program of several micro-batches needs the distributed runtime")
         self.prepare(inputs, state)
         for ins in self.program.instructions:
             if ins.kind == "run":

@@ -1,0 +1,349 @@
+"""Running step graphs on a pool of workers under a placement per phase.
+
+The driver builds each phase's programs (:func:`tessera.program.program.build_programs`), loads them
+on the workers, feeds every step's inputs to the workers that read them and collects the outputs.
+State lives on the workers whose kernels touch it, one instance per micro-batch; when a phase needs
+state rows another worker wrote last (the KV cache after a prefill elsewhere), the driver issues an
+explicit move of exactly those rows first. The driver keeps every step it ran, so after a lost worker
+it can re-plan onto the survivors, rebuild the state by replaying the same steps at the same shapes
+(deterministic), and go on.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tessera.errors import TesseraError
+from tessera.graph.ir import KernelGraph
+from tessera.program.program import StepPrograms, build_programs
+from tessera.runtime.pool import WorkerFailed, WorkerLost, WorkerPool
+
+# placements for n devices: phase -> kernel -> device index
+Replanner = Callable[[int], dict[str, list[int]]]
+FAILURE_MODES = ("fail", "replan")
+
+
+class RuntimeInputError(TesseraError, ValueError):
+    """Inputs that do not fit a phase's graph (rows, shapes, state instances)."""
+
+
+@dataclass
+class Recovery:
+    """What happened when a worker was lost."""
+
+    device: str
+    how: str
+    detected_s: float
+    survivors: list[str]
+    replayed_steps: int
+    seconds: float
+
+
+@dataclass
+class StepTiming:
+    """One step as the workers saw it: wall seconds per worker, compute seconds and (traced) timelines."""
+
+    phase: str
+    seconds: float
+    worker_seconds: list[float]
+    compute_s: list[float]
+    timelines: list[list[tuple]] = field(default_factory=list)
+
+
+class DistributedRunner:
+    """Step graphs (one per phase) run by a WorkerPool under per-phase placements and micro-batch counts."""
+
+    def __init__(self, pool: WorkerPool, graphs: dict[str, KernelGraph], placements: dict[str, list[int]],
+                 micro_batches: dict[str, int] | None = None, *, weights_path: str | None = None,
+                 weights: dict[str, torch.Tensor] | None = None, state_instances: int = 1,
+                 on_failure: str = "fail", replan: Replanner | None = None, step_timeout_s: float = 120.0,
+                 log: Callable[[str], None] | None = None):
+        if on_failure not in FAILURE_MODES:
+            raise RuntimeInputError(f"on_failure must be one of {FAILURE_MODES}, got {on_failure!r}")
+        if on_failure == "replan" and replan is None:
+            raise RuntimeInputError("on_failure='replan' needs a replanner for the surviving devices")
+        _check_state_shapes(graphs)
+        self.pool = pool
+        self.graphs = graphs
+        self.micro_batches = {p: 1 for p in graphs} | dict(micro_batches or {})
+        self.weights_path, self.weights = weights_path, weights
+        self.state_instances = state_instances
+        self.on_failure, self.replan = on_failure, replan
+        self.step_timeout_s = step_timeout_s
+        self.log = log or (lambda text: print(text, file=sys.stderr))
+        self.history: list[tuple] = []
+        self.recoveries: list[Recovery] = []
+        self.last_timing: StepTiming | None = None
+        self.epoch = 0
+        self._install(placements, pool.alive)
+
+    # ------------------------------------------------------------------------------------------------
+    def _install(self, placements: dict[str, list[int]], members: list[int]) -> None:
+        """Build the programs for ``members`` (worker ids), connect them and load graphs, programs, weights."""
+        if set(placements) != set(self.graphs):
+            raise RuntimeInputError(f"placements for phases {sorted(placements)}, graphs for {sorted(self.graphs)}")
+        used = max((max(p) for p in placements.values() if p), default=0) + 1
+        if used > len(members):
+            raise RuntimeInputError(f"the placement uses {used} devices but only {len(members)} workers are "
+                                    f"available ({', '.join(self.pool.devices[w] for w in members)})")
+        self.members = list(members)
+        devices = [self.pool.devices[w] for w in members]
+        self.programs: dict[str, StepPrograms] = {
+            phase: build_programs(g, placements[phase], devices, self.micro_batches[phase])
+            for phase, g in self.graphs.items()}
+        self.placements = {p: list(a) for p, a in placements.items()}
+        self.epoch += 1
+        self.pool.call({w: {"op": "connect", "epoch": self.epoch, "members": members} for w in members},
+                       self.step_timeout_s)
+        loads = {}
+        for rank, w in enumerate(members):
+            phases = {ph: {"graph": self.graphs[ph], "program": sp.programs[rank], "transfers": sp.transfers}
+                      for ph, sp in self.programs.items()}
+            loads[w] = {"op": "load", "phases": phases, "weights_path": self.weights_path,
+                        "weights": self.weights, "state_instances": self.state_instances}
+        self.loaded = self.pool.call(loads, self.step_timeout_s)
+        # state rows -> the rank holding their latest value (-1: every holder has the same value)
+        self.owner: dict[tuple[str, int], list[int]] = {}
+
+    def _holders(self, name: str) -> list[int]:
+        return sorted({sp.state_holder()[name] for sp in self.programs.values() if name in sp.state_holder()})
+
+    def _rows(self, name: str) -> int:
+        g = next(g for g in self.graphs.values() if name in g.buffers)
+        return max(1, g.buffers[name].shape[0]) if g.buffers[name].shape else 1
+
+    def _owner(self, name: str, inst: int) -> list[int]:
+        return self.owner.setdefault((name, inst), [-1] * self._rows(name))
+
+    # ------------------------------------------------------------------------------------------------
+    def set_state(self, values: list[dict[str, torch.Tensor]]) -> None:
+        """Give state instance i the tensors ``values[i]`` (on every worker holding them)."""
+        self._record(("set_state", values))
+        self._run_guarded(lambda: self._set_state(values))
+
+    def _set_state(self, values: list[dict[str, torch.Tensor]]) -> None:
+        cmds = {w: {"op": "set_state", "values": values} for w in self.members}
+        self.pool.call(cmds, self.step_timeout_s)
+        for i, vals in enumerate(values):
+            for name in vals:
+                self.owner[(name, i)] = [-1] * self._rows(name)
+
+    def get_state(self) -> list[dict[str, torch.Tensor]]:
+        """Every state instance as the deployment holds it now (rows from the worker that wrote them last)."""
+        replies = self.pool.call({w: {"op": "get_state"} for w in self.members}, self.step_timeout_s)
+        by_rank = [replies[w]["state"] for w in self.members]
+        out: list[dict[str, torch.Tensor]] = []
+        for inst in range(self.state_instances):
+            mb: dict[str, torch.Tensor] = {}
+            names = sorted({n for r in by_rank for n in r[inst]})
+            for name in names:
+                holders = [r for r in range(len(by_rank)) if name in by_rank[r][inst]]
+                owner = self._owner(name, inst)
+                t = by_rank[holders[0]][inst][name].clone()
+                for row, o in enumerate(owner):
+                    if o >= 0 and o != holders[0]:
+                        t[row] = by_rank[o][inst][name][row]
+                mb[name] = t
+            out.append(mb)
+        return out
+
+    def _moves_for(self, phase: str, instances: list[int]) -> None:
+        """Move state rows the phase needs from the worker that wrote them last (explicit, exact rows)."""
+        holder = self.programs[phase].state_holder()
+        moves: dict[int, list[dict[str, Any]]] = {}
+        tag = 0
+        for name, dst in sorted(holder.items()):
+            nbytes = next(g for g in self.graphs.values() if name in g.buffers).buffers[name].nbytes
+            row_bytes = nbytes // self._rows(name)
+            for inst in instances:
+                owner = self._owner(name, inst)
+                for src in sorted({o for o in owner if o >= 0 and o != dst}):
+                    rows = [r for r, o in enumerate(owner) if o == src]
+                    spans = _row_spans(rows, row_bytes)
+                    for me, peer, send in ((src, dst, True), (dst, src, False)):
+                        moves.setdefault(self.members[me], []).append(
+                            {"buffer": name, "microbatch": inst, "spans": spans, "peer": peer, "tag": tag,
+                             "send": send})
+                    tag += 1
+                    for r in rows:
+                        owner[r] = dst
+        if moves:
+            self.pool.call({w: {"op": "move", "moves": mv} for w, mv in moves.items()}, self.step_timeout_s)
+
+    # ------------------------------------------------------------------------------------------------
+    def step(self, phase: str, inputs: dict[str, torch.Tensor], trace: bool = False) -> dict[str, torch.Tensor]:
+        """Run ``phase`` on a batch of rows: split into the graph's batch size, chunk c on state instance c,
+        M chunks per step; returns the outputs concatenated in row order."""
+        if phase not in self.graphs:
+            raise RuntimeInputError(f"no graph for phase {phase!r}; phases: {', '.join(sorted(self.graphs))}")
+        chunks = _split_rows(self.graphs[phase], inputs)
+        m = self.micro_batches[phase]
+        if len(chunks) % m or len(chunks) > self.state_instances:
+            raise RuntimeInputError(f"{phase}: {len(chunks)} chunks of rows do not fill steps of {m} micro-batches "
+                                    f"over {self.state_instances} state instances")
+        outs: list[dict[str, torch.Tensor]] = []
+        for first in range(0, len(chunks), m):
+            outs += self.step_chunks(phase, chunks[first: first + m], list(range(first, first + m)), trace)
+        return {name: torch.cat([o[name] for o in outs]) for name in outs[0]}
+
+    def step_chunks(self, phase: str, chunks: list[dict[str, torch.Tensor]], instances: list[int],
+                    trace: bool = False) -> list[dict[str, torch.Tensor]]:
+        """One step of ``phase``: micro-batch i runs ``chunks[i]`` on state instance ``instances[i]``."""
+        if len(chunks) != self.micro_batches[phase] or len(instances) != len(chunks):
+            raise RuntimeInputError(f"{phase} runs {self.micro_batches[phase]} micro-batches per step, "
+                                    f"got {len(chunks)} chunks for {len(instances)} state instances")
+        self._record(("step", phase, chunks, instances))
+        return self._run_guarded(lambda: self._step(phase, chunks, instances, trace))
+
+    def _step(self, phase: str, chunks, instances: list[int], trace: bool) -> list[dict[str, torch.Tensor]]:
+        sp = self.programs[phase]
+        self._moves_for(phase, instances)
+        cmds = {}
+        for rank, w in enumerate(self.members):
+            prog = sp.programs[rank]
+            if not prog.instructions:
+                continue
+            cmds[w] = {"op": "step", "phase": phase, "trace": trace, "state_instances": instances,
+                       "inputs": [{n: c[n] for n in prog.inputs} for c in chunks]}
+        t0 = time.perf_counter()
+        replies = self.pool.call(cmds, self.step_timeout_s)
+        seconds = time.perf_counter() - t0
+        outs: list[dict[str, torch.Tensor]] = [{} for _ in chunks]
+        for r in replies.values():
+            for i, o in enumerate(r["outputs"]):
+                outs[i].update(o)
+        for name in self.graphs[phase].state:
+            if name in sp.state_holder():
+                rank = sp.state_holder()[name]
+                rows = _touched_rows(self.graphs[phase], chunks, self._rows(name))
+                for inst, rws in zip(instances, rows, strict=True):
+                    owner = self._owner(name, inst)
+                    for r in rws:
+                        owner[r] = rank
+        order = list(replies)
+        self.last_timing = StepTiming(phase, seconds, [replies[w]["seconds"] for w in order],
+                                      [replies[w]["compute_s"] for w in order],
+                                      [replies[w]["timeline"] for w in order] if trace else [])
+        return outs
+
+    # ------------------------------------------------------------------------------------------------
+    def _record(self, entry: tuple) -> None:
+        if not getattr(self, "_replaying", False):
+            self.history.append(entry)
+
+    def _run_guarded(self, action):
+        """Run ``action``; on a lost worker either raise (on_failure='fail') or re-plan onto the survivors,
+        replay the history (which rebuilds the state) and run the action again."""
+        while True:
+            try:
+                return action()
+            except WorkerLost as lost:
+                self._recover(lost)
+            except WorkerFailed as failed:
+                lost = self._lost_behind(failed)
+                if lost is None:
+                    raise
+                self._recover(lost)
+
+    def _lost_behind(self, failed: WorkerFailed) -> WorkerLost | None:
+        """A worker error caused by a dead peer (its transfer failed): the lost worker, if any."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.0:
+            for w in self.members:
+                try:
+                    self.pool._check(w, time.monotonic() - t0)
+                except WorkerLost as lost:
+                    return lost
+            time.sleep(0.05)
+        return None
+
+    def _recover(self, lost: WorkerLost) -> None:
+        self.log(f"tessera: {lost}")
+        if self.on_failure != "replan":
+            raise lost
+        t0 = time.perf_counter()
+        self.pool.drain(timeout_s=self.pool_timeout())
+        survivors = [w for w in self.members if w in self.pool.alive]
+        if not survivors:
+            raise lost
+        self.log(f"tessera: re-planning onto {len(survivors)} surviving workers "
+                 f"({', '.join(self.pool.devices[w] for w in survivors)}) and replaying {len(self.history)} steps")
+        self._install(self.replan(len(survivors)), survivors)
+        self._replaying = True
+        try:
+            for entry in self.history[:-1]:
+                if entry[0] == "set_state":
+                    self._set_state(entry[1])
+                else:
+                    self._step(entry[1], entry[2], entry[3], False)
+        finally:
+            self._replaying = False
+        self.recoveries.append(Recovery(lost.device, lost.how, lost.seconds,
+                                        [self.pool.devices[w] for w in survivors], len(self.history) - 1,
+                                        time.perf_counter() - t0))
+
+    def pool_timeout(self) -> float:
+        return self.step_timeout_s
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def _row_spans(rows: list[int], row_bytes: int) -> list[tuple[int, int]]:
+    spans: list[list[int]] = []
+    for r in sorted(rows):
+        if spans and spans[-1][1] == r * row_bytes:
+            spans[-1][1] += row_bytes
+        else:
+            spans.append([r * row_bytes, (r + 1) * row_bytes])
+    return [(a, b) for a, b in spans]
+
+
+def _touched_rows(graph: KernelGraph, chunks, rows: int) -> list[list[int]]:
+    """State rows a step writes per chunk: its ``slots`` (when state is slot-major), else every row."""
+    if "slots" in graph.inputs:
+        return [sorted({int(s) for s in c["slots"].reshape(-1).tolist() if 0 <= int(s) < rows}) for c in chunks]
+    return [list(range(rows)) for _ in chunks]
+
+
+def _split_rows(graph: KernelGraph, inputs: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Inputs of B rows -> chunks of the graph's batch (dim 0 of its first input)."""
+    missing = [n for n in graph.inputs if n not in inputs]
+    if missing:
+        raise RuntimeInputError(f"{graph.phase}: inputs {missing} are missing (expected {graph.inputs})")
+    b = graph.buffers[graph.inputs[0]].shape[0]
+    total = inputs[graph.inputs[0]].shape[0]
+    if total % b:
+        raise RuntimeInputError(f"{graph.phase}: {total} rows do not split into micro-batches of {b}")
+    chunks = []
+    for c in range(total // b):
+        chunk = {}
+        for n in graph.inputs:
+            t, want = inputs[n], graph.buffers[n].shape
+            if list(t.shape) == want:
+                chunk[n] = t
+            elif t.shape[0] == total and list(t.shape[1:]) == want[1:]:
+                chunk[n] = t[c * b: (c + 1) * b].contiguous()
+            else:
+                raise RuntimeInputError(f"{graph.phase}: input {n} has shape {list(t.shape)}; the graph takes "
+                                        f"{want} per micro-batch ({total // b} of them)")
+        chunks.append(chunk)
+    return chunks
+
+
+def _check_state_shapes(graphs: dict[str, KernelGraph]) -> None:
+    seen: dict[str, tuple[str, list[int], str]] = {}
+    for phase, g in graphs.items():
+        for name in g.state:
+            b = g.buffers[name]
+            if name in seen and (seen[name][0], seen[name][1]) != (b.dtype, b.shape):
+                raise RuntimeInputError(f"state {name} is {seen[name][0]}{seen[name][1]} in {seen[name][2]} but "
+                                        f"{b.dtype}{b.shape} in {phase}: trace the phases with the same batch "
+                                        "(slots) and context")
+            seen.setdefault(name, (b.dtype, b.shape, phase))

@@ -1,0 +1,208 @@
+"""The driver's side of the workers: start them (local processes, or torchrun ranks), send commands,
+collect replies with timeouts, and notice a lost worker within a bounded time."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tessera.errors import TesseraError
+from tessera.runtime.worker import WorkerConfig, nap, worker_main
+
+BACKENDS = ("gloo", "nccl")
+START_TIMEOUT_S = 120.0
+LOST_AFTER_S = 2.0  # no heartbeat for this long: the worker is lost
+
+
+class RuntimeSetupError(TesseraError):
+    """The runtime cannot start as asked (backend, devices, workers)."""
+
+
+class WorkerFailed(TesseraError):
+    """A worker reported an error while running a command."""
+
+    def __init__(self, device: str, message: str, detail: str = ""):
+        super().__init__(f"worker {device}: {message}")
+        self.device, self.detail = device, detail
+
+
+class WorkerLost(TesseraError):
+    """A worker process died or stopped answering."""
+
+    def __init__(self, worker: int, device: str, how: str, seconds: float):
+        super().__init__(f"worker {device} was lost ({how}; noticed after {seconds:.2f} s)")
+        self.worker, self.device, self.how, self.seconds = worker, device, how, seconds
+
+
+def check_backend(backend: str, devices: list[str]) -> None:
+    """Raise a clear error unless ``backend`` can carry transfers between ``devices``."""
+    if backend not in BACKENDS:
+        raise RuntimeSetupError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeSetupError("backend nccl needs CUDA GPUs, and this machine has none; use --backend gloo "
+                                    "(CPU workers, or CUDA workers staging transfers through host memory)")
+        raise RuntimeSetupError("backend nccl is not supported by this runtime yet: NCCL matches messages by "
+                                "order, not tag; use --backend gloo, which stages CUDA transfers through the host")
+    for d in devices:
+        if d.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeSetupError(f"worker device {d} needs CUDA, and this machine has none")
+
+
+class WorkerPool:
+    """Worker processes (one per device) and the store that carries commands and heartbeats."""
+
+    def __init__(self, store: dist.Store, devices: list[str], processes: list[Any] | None, threads: int):
+        self.store = store
+        self.devices = list(devices)
+        self.processes = processes
+        self.threads = threads
+        self.seq = [0] * len(devices)
+        self.lost: set[int] = set()
+        self.pending: dict[int, str] = {}  # worker -> reply key of a command not answered yet
+
+    @classmethod
+    def local(cls, workers: int, threads: int | None = None, devices: list[str] | None = None,
+              transfer_timeout_s: float = 30.0, backend: str = "gloo") -> WorkerPool:
+        """Spawn ``workers`` processes on this host with ``threads`` torch threads each (cores / workers)."""
+        if workers < 1:
+            raise RuntimeSetupError(f"need at least one worker, got {workers}")
+        devices = devices or ["cpu"] * workers
+        if len(devices) != workers:
+            raise RuntimeSetupError(f"{workers} workers but {len(devices)} devices given")
+        check_backend(backend, devices)
+        threads = threads or max(1, (os.cpu_count() or 1) // workers)
+        store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        procs = []
+        for w in range(workers):
+            cfg = WorkerConfig(w, "127.0.0.1", store.port, threads, devices[w], transfer_timeout_s,
+                               parent_pid=os.getpid())
+            p = ctx.Process(target=worker_main, args=(cfg,), daemon=True, name=f"tessera-worker-{w}")
+            p.start()
+            procs.append(p)
+        pool = cls(store, [f"{d}:{w}" if d == "cpu" else d for w, d in enumerate(devices)], procs, threads)
+        pool.call({w: {"op": "ping"} for w in range(workers)}, START_TIMEOUT_S)
+        return pool
+
+    @classmethod
+    def attach(cls, store: dist.Store, workers: int, threads: int, devices: list[str] | None = None) -> WorkerPool:
+        """Workers started elsewhere (torchrun ranks 1..N) that share ``store``."""
+        devices = devices or [f"rank{w + 1}" for w in range(workers)]
+        pool = cls(store, devices, None, threads)
+        pool.call({w: {"op": "ping"} for w in range(workers)}, START_TIMEOUT_S)
+        return pool
+
+    @property
+    def alive(self) -> list[int]:
+        return [w for w in range(len(self.devices)) if w not in self.lost]
+
+    def _check(self, w: int, waited: float) -> None:
+        """Raise WorkerLost if worker ``w`` is gone (process dead, or its heartbeat stopped)."""
+        if self.processes is not None and not self.processes[w].is_alive():
+            self.lost.add(w)
+            raise WorkerLost(w, self.devices[w], f"process exited with code {self.processes[w].exitcode}", waited)
+        try:
+            beat = float(self.store.get(f"hb/{w}"))
+        except Exception:  # noqa: BLE001 - no heartbeat yet
+            return
+        if time.time() - beat > LOST_AFTER_S:
+            self.lost.add(w)
+            raise WorkerLost(w, self.devices[w], f"no heartbeat for {time.time() - beat:.1f} s", waited)
+
+    def send(self, w: int, cmd: dict[str, Any]) -> None:
+        self.store.set(f"cmd/{w}/{self.seq[w]}", pickle.dumps(cmd))
+
+    def call(self, cmds: dict[int, dict[str, Any]], timeout_s: float) -> dict[int, dict[str, Any]]:
+        """Send each worker its command and wait for all replies; a worker error raises WorkerFailed after
+        every reply is in, a lost worker WorkerLost as soon as it is noticed."""
+        for w, cmd in cmds.items():
+            if w in self.lost:
+                raise WorkerLost(w, self.devices[w], "lost earlier", 0.0)
+            self.send(w, cmd)
+            self.pending[w] = f"reply/{w}/{self.seq[w]}"
+        waiting = {w: self.pending[w] for w in cmds}
+        replies: dict[int, dict[str, Any]] = {}
+        start = time.monotonic()
+        naps = 0
+        while waiting:
+            w, key = next(iter(waiting.items()))
+            if self.store.check([key]):
+                replies[w] = self._take(w, key)
+                del waiting[w]
+                continue
+            waited = time.monotonic() - start
+            for v in waiting:
+                self._check(v, waited)
+            if waited > timeout_s:
+                self.lost.add(w)
+                raise WorkerLost(w, self.devices[w], f"no reply to {cmds[w]['op']!r} within {timeout_s:.0f} s", waited)
+            naps += 1
+            time.sleep(nap(naps))
+        failed = [(w, r) for w, r in replies.items() if not r["ok"]]
+        if failed:
+            w, r = failed[0]
+            raise WorkerFailed(self.devices[w], r["error"], r.get("traceback", ""))
+        return replies
+
+    def _take(self, w: int, key: str) -> dict[str, Any]:
+        reply = pickle.loads(self.store.get(key))
+        self.store.delete_key(key)
+        self.seq[w] += 1
+        self.pending.pop(w, None)
+        return reply
+
+    def drain(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the live workers' unanswered replies and drop them: after a lost
+        peer, the survivors fail their step (or time out) before taking new commands."""
+        deadline = time.monotonic() + timeout_s
+        for w, key in list(self.pending.items()):
+            if w in self.lost:
+                self.pending.pop(w)
+                continue
+            naps = 0
+            while not self.store.check([key]):
+                try:
+                    self._check(w, 0.0)
+                except WorkerLost:
+                    self.pending.pop(w, None)
+                    break
+                if time.monotonic() > deadline:
+                    self.lost.add(w)
+                    self.pending.pop(w, None)
+                    break
+                naps += 1
+                time.sleep(nap(naps))
+            else:
+                self._take(w, key)
+
+    def kill(self, w: int) -> None:
+        """Kill worker ``w``'s process (fault tests)."""
+        if self.processes is None:
+            raise RuntimeSetupError("only local workers can be killed from the driver")
+        self.processes[w].kill()
+
+    def close(self) -> None:
+        """Stop every live worker (and wait for local processes)."""
+        for w in self.alive:
+            with contextlib.suppress(Exception):  # closing anyway
+                self.send(w, {"op": "stop"})
+        if self.processes is not None:
+            for p in self.processes:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

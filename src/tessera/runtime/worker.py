@@ -1,0 +1,276 @@
+"""One worker process per device: it loads its weights, holds its state and runs its programs.
+
+Workers take commands from the driver through a key-value store (``cmd/<worker>/<n>``, answered at
+``reply/<worker>/<n>``) and exchange activations with each other over a torch.distributed process group
+(gloo: CPU tensors; CUDA workers stage through host memory). Transfers are asynchronous: receives are
+posted when a step starts and sends return at once, so micro-batch m's transfer overlaps m+1's compute.
+Every wait has a timeout. A heartbeat key (``hb/<worker>``) tells the driver the worker is alive.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tessera.graph.ir import KernelGraph, TensorRef
+from tessera.program.program import Piece, Program, Transfer
+
+HEARTBEAT_S = 0.2
+
+
+def nap(n: int) -> float:
+    """Seconds to sleep before the n-th look at the store: quick at first, then at most 20 ms (the store's
+    timed waits log a warning on every timeout, so waiting is polling)."""
+    return min(0.0002 * 1.5 ** min(n, 30), 0.02)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How a worker finds the driver and runs: its id, the store address, threads and torch device."""
+
+    worker: int
+    host: str
+    port: int
+    threads: int
+    device: str = "cpu"
+    transfer_timeout_s: float = 30.0  # one receive or send
+    idle_timeout_s: float = 3600.0  # no command for this long: the driver is gone, exit
+    parent_pid: int | None = None  # local workers exit when their driver process is gone
+
+
+def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def pack(storages: dict[str, torch.UntypedStorage], pieces: tuple[Piece, ...]) -> torch.Tensor:
+    """The bytes of ``pieces`` as one flat host tensor."""
+    parts = [_bytes_view(storages[p.buffer])[lo:hi] for p in pieces for lo, hi in p.spans]
+    flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+    return flat.cpu()
+
+
+def unpack(storages: dict[str, torch.UntypedStorage], graph: KernelGraph, pieces: tuple[Piece, ...],
+           flat: torch.Tensor, device: torch.device) -> None:
+    """Write a received flat tensor into the pieces' buffers (allocating a buffer not present yet)."""
+    at = 0
+    for p in pieces:
+        st = storages.get(p.buffer)
+        if st is None:
+            st = torch.zeros(graph.buffers[p.buffer].nbytes, dtype=torch.uint8, device=device).untyped_storage()
+            storages[p.buffer] = st
+        view = _bytes_view(st)
+        for lo, hi in p.spans:
+            view[lo:hi].copy_(flat[at: at + hi - lo])
+            at += hi - lo
+
+
+class Worker:
+    """The state of one worker process between commands."""
+
+    def __init__(self, cfg: WorkerConfig, store: dist.Store):
+        self.cfg = cfg
+        self.store = store
+        self.device = torch.device(cfg.device)
+        self.pg = None
+        self.rank = -1  # position in the current process group
+        self.weights: dict[str, torch.Tensor] = {}
+        self.phases: dict[str, tuple[KernelGraph, Program, list[Transfer], Any]] = {}
+        self.state: list[dict[str, torch.Tensor]] = []  # per micro-batch
+        self.timeout = timedelta(seconds=cfg.transfer_timeout_s)
+
+    # ------------------------------------------------------------------------------------------------
+    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        op = cmd["op"]
+        return getattr(self, "op_" + op)(**{k: v for k, v in cmd.items() if k != "op"})
+
+    def op_ping(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "threads": torch.get_num_threads(), "device": str(self.device)}
+
+    def op_connect(self, epoch: int, members: list[int]) -> dict[str, Any]:
+        """Join the process group of ``members`` (worker ids; rank = position) for ``epoch``."""
+        self.pg = None
+        if self.cfg.worker not in members:
+            return {"rank": -1}
+        self.rank = members.index(self.cfg.worker)
+        prefix = dist.PrefixStore(f"pg/{epoch}", self.store)
+        self.pg = dist.ProcessGroupGloo(prefix, self.rank, len(members), self.timeout)
+        return {"rank": self.rank}
+
+    def op_load(self, phases: dict[str, dict[str, Any]], weights_path: str | None,
+                weights: dict[str, torch.Tensor] | None, state_instances: int) -> dict[str, Any]:
+        """Load every phase's graph and program; read only the weights its kernels use; zero its state."""
+        from tessera.runtime.executor import Executor
+        from tessera.weights import load_weights
+
+        names = sorted({w for ph in phases.values() for w in ph["program"].weights})
+        have = {n: t for n, t in self.weights.items() if n in names}
+        missing = [n for n in names if n not in have]
+        if missing:
+            if weights is not None:
+                have.update({n: weights[n] for n in missing if n in weights})
+            elif weights_path is not None:
+                graphs = [ph["graph"] for ph in phases.values()]
+                aliases = {a: n for g in graphs for n in missing for a in g.buffers[n].aliases}
+                got = load_weights(weights_path, missing + list(aliases))
+                have.update({n: got[n] for n in missing if n in got})
+                have.update({aliases[a]: got[a] for a in aliases if a in got and aliases[a] not in have})
+        self.weights = have
+        self.phases = {}
+        shapes: dict[str, tuple] = {}
+        for name, ph in phases.items():
+            graph, program = ph["graph"], ph["program"]
+            ex = Executor(graph, program, self.weights, self.device)
+            self.phases[name] = (graph, program, ph["transfers"], ex)
+            for s in program.state:
+                b = graph.buffers[s]
+                shapes.setdefault(s, (b.dtype, tuple(b.shape)))
+        from tessera.graph.codec import dtype_from_name
+
+        self.state = [{s: torch.zeros(shape, dtype=dtype_from_name(dt), device=self.device)
+                       for s, (dt, shape) in shapes.items()} for _ in range(state_instances)]
+        return {"weights": len(self.weights), "weight_bytes": sum(t.nbytes for t in self.weights.values()),
+                "state": len(shapes)}
+
+    def op_set_state(self, values: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        for m, vals in enumerate(values):
+            for name, t in vals.items():
+                if name in self.state[m]:
+                    self.state[m][name].copy_(t)
+        return {}
+
+    def op_get_state(self, names: list[str] | None = None) -> dict[str, Any]:
+        return {"state": [{n: t.cpu().clone() for n, t in mb.items() if names is None or n in names}
+                          for mb in self.state]}
+
+    def op_move(self, moves: list[dict[str, Any]]) -> dict[str, Any]:
+        """Explicit state moves: send or receive byte ranges of state buffers (per micro-batch)."""
+        works = []
+        for mv in moves:
+            st = self.state[mv["microbatch"]][mv["buffer"]]
+            view = st.view(-1).view(torch.uint8) if st.is_contiguous() else None
+            if mv["send"]:
+                flat = torch.cat([view[lo:hi] for lo, hi in mv["spans"]]).cpu()
+                works.append((self.pg.send([flat], mv["peer"], mv["tag"]), None, None))
+            else:
+                flat = torch.empty(sum(hi - lo for lo, hi in mv["spans"]), dtype=torch.uint8)
+                works.append((self.pg.recv([flat], mv["peer"], mv["tag"]), flat, (view, mv["spans"])))
+        for work, flat, into in works:
+            work.wait(self.timeout)
+            if into is not None:
+                view, spans = into
+                at = 0
+                for lo, hi in spans:
+                    view[lo:hi].copy_(flat[at: at + hi - lo])
+                    at += hi - lo
+        return {"bytes": sum(sum(hi - lo for lo, hi in mv["spans"]) for mv in moves)}
+
+    def op_step(self, phase: str, inputs: list[dict[str, torch.Tensor]], state_instances: list[int],
+                trace: bool = False) -> dict[str, Any]:
+        """Run ``phase``'s program, micro-batch m on state instance ``state_instances[m]``; return the step
+        outputs this device holds."""
+        graph, program, transfers, ex = self.phases[phase]
+        t0 = time.perf_counter()
+        timeline: list[tuple] = []
+        ex.prepare_microbatches(inputs, [self.state[i] for i in state_instances], program.inputs, program.state)
+        posted = {}
+        for i, t in enumerate(transfers):
+            if t.dst == self.rank:
+                flat = torch.empty(t.nbytes, dtype=torch.uint8)
+                posted[i] = (self.pg.recv([flat], t.src, t.tag), flat)
+        sends = []
+        compute = 0.0
+        for ins in program.instructions:
+            start = time.perf_counter()
+            if ins.kind == "run":
+                ex.select(ins.microbatch)
+                ex.run_kernel(ins.kernel)
+                if self.device.type == "cuda" and trace:
+                    torch.cuda.synchronize(self.device)
+                compute += time.perf_counter() - start
+            elif ins.kind == "send":
+                t = transfers[ins.transfer]
+                flat = pack(ex.instances[ins.microbatch], t.pieces)
+                sends.append(self.pg.send([flat], t.dst, t.tag))
+            elif ins.kind == "recv":
+                t = transfers[ins.transfer]
+                work, flat = posted.pop(ins.transfer)
+                work.wait(self.timeout)
+                unpack(ex.instances[ins.microbatch], graph, t.pieces, flat, self.device)
+            elif ins.kind == "free":
+                ex.instances[ins.microbatch].pop(ins.buffer, None)
+            if trace:
+                timeline.append((ins.kind, ins.kernel if ins.kind == "run" else ins.transfer, ins.microbatch,
+                                 start - t0, time.perf_counter() - t0))
+        for work in sends:
+            work.wait(self.timeout)
+        outputs = []
+        for m in range(program.micro_batches):
+            ex.select(m)
+            outputs.append({name: ex.view(TensorRef.from_json(graph.outputs[name])).cpu().clone()
+                            for name in program.outputs})
+        ex.instances = []
+        return {"outputs": outputs, "seconds": time.perf_counter() - t0, "compute_s": compute,
+                "timeline": timeline, "t0": t0}
+
+    def op_stop(self) -> dict[str, Any]:
+        return {}
+
+
+def _heartbeat(cfg: WorkerConfig, store: dist.Store, stop: threading.Event) -> None:
+    while not stop.is_set():
+        store.set(f"hb/{cfg.worker}", repr(time.time()))
+        stop.wait(HEARTBEAT_S)
+
+
+def _driver_alive(cfg: WorkerConfig) -> bool:
+    if cfg.parent_pid is None:
+        return True
+    try:
+        os.kill(cfg.parent_pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def worker_main(cfg: WorkerConfig, store: dist.Store | None = None) -> None:
+    """The worker loop: wait for a command, run it, store the reply; until ``stop`` or the driver is gone.
+    ``store``: the driver's store (torchrun's rendezvous), else a client of ``cfg.host:cfg.port``."""
+    torch.set_num_threads(cfg.threads)
+    if store is None:
+        store = dist.TCPStore(cfg.host, cfg.port, None, False, timeout=timedelta(seconds=60))
+    stop = threading.Event()
+    threading.Thread(target=_heartbeat, args=(cfg, store.clone(), stop), daemon=True).start()
+    worker = Worker(cfg, store)
+    seq = 0
+    idle_since = time.monotonic()
+    try:
+        while True:
+            key = f"cmd/{cfg.worker}/{seq}"
+            naps = 0
+            while not store.check([key]):
+                naps += 1
+                if naps % 50 == 0 and (not _driver_alive(cfg) or time.monotonic() - idle_since > cfg.idle_timeout_s):
+                    return
+                time.sleep(nap(naps))
+            cmd = pickle.loads(store.get(key))
+            store.delete_key(key)
+            try:
+                reply = {"ok": True, **worker.handle(cmd)}
+            except Exception as e:  # noqa: BLE001 - every failure goes back to the driver, which decides
+                reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            store.set(f"reply/{cfg.worker}/{seq}", pickle.dumps(reply))
+            seq += 1
+            idle_since = time.monotonic()
+            if cmd["op"] == "stop":
+                return
+    finally:
+        stop.set()
