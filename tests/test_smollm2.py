@@ -10,7 +10,7 @@ from tessera.capture.eager import EagerRunner
 from tessera.capture.phases import StepShape, build_model, step_for
 from tessera.capture.pretrained import load_pretrained
 from tessera.capture.trace import trace
-from tessera.runtime.generate import ReplayRunner, greedy_generate
+from tessera.runtime.generate import ReplayRunner, generate
 from tessera.weights import load_weights
 
 PROMPT = "The capital of France is"
@@ -39,7 +39,7 @@ class _Recording:
 def test_smollm2_answers_paris(smollm2):
     spec, model, values, tok = smollm2
     ids = tok(PROMPT).input_ids
-    new = greedy_generate(EagerRunner(spec, model, values, slots=1, ctx=CTX), ids, 4)
+    new = generate(EagerRunner(spec, model, values, slots=1, ctx=CTX), ids, 4)
     assert tok.decode(new).strip().startswith("Paris")
 
 
@@ -56,8 +56,8 @@ def test_meta_traced_prefill_and_decode_replay_equal_eager(smollm2, smollm2_path
     state = {k: torch.zeros_like(v) for k, v in step_for(
         spec, model, values, "decode", StepShape(batch=1, seq=1, ctx=CTX), device="cpu").state.items()}
     replay = _Recording(ReplayRunner(graphs, weights, state))
-    expected = greedy_generate(eager, ids, 6)
-    got = greedy_generate(replay, ids, 6)
+    expected = generate(eager, ids, 6)
+    got = generate(replay, ids, 6)
     assert got == expected
     assert len(replay.logits) == len(eager.logits) >= 2
     for a, b in zip(replay.logits, eager.logits, strict=True):

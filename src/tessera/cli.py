@@ -23,11 +23,13 @@ def _mount_subcommands() -> None:
     from tessera.cost.cli import register as register_cost
     from tessera.hardware.cli import register as register_hardware
     from tessera.plan.cli import register as register_plan
+    from tessera.runtime.cli import register as register_run
 
     app.add_typer(ptx_app, name="ptx", help="Analyse and instrument PTX of opaque kernels.")
     register_hardware(app)
     register_cost(app)
     register_plan(app)
+    register_run(app)
 
 
 _mount_subcommands()

@@ -105,6 +105,14 @@ class Cluster:
             out.setdefault(d.spec.id, []).append(d)
         return out
 
+    def placement_types(self) -> dict[str, list[DeviceInstance]]:
+        """Like :meth:`types`, but every local cpu worker is a type of its own ("cpu:0", "cpu:1"): each worker
+        is its own placement target, so kernels can be split between the workers."""
+        out: dict[str, list[DeviceInstance]] = {}
+        for d in self.devices:
+            out.setdefault(d.id if d.spec.id == HOST_ID else d.spec.id, []).append(d)
+        return out
+
     def describe(self) -> str:
         """One line, e.g. "A100:2 + L40S:1 (2 nodes, 200 Gb/s IB)"."""
         parts = " + ".join(f"{rid}:{len(ds)}" for rid, ds in self.types().items())

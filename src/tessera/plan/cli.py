@@ -42,6 +42,10 @@ def plan(
     weights_dtype: str = opt.WEIGHTS_DTYPE,
     kv_dtype: str = opt.KV_DTYPE,
     skew: float = typer.Option(0.0, "--routing-skew", help="MoE routing skew (Zipf exponent; 0 = uniform)."),
+    cache_ctx: int = typer.Option(None, "--ctx", help="Trace every phase with this KV-cache context (what "
+                                  "`tessera run` uses: prompt + max tokens rounded up to 64), not the workload's."),
+    expert_split: bool = typer.Option(True, "--expert-split/--no-expert-split", help="Let Tessera split MoE "
+                                      "expert GEMMs over devices (the runtime does not execute such plans yet)."),
     as_json: bool = opt.JSON,
 ) -> None:
     """Plan a deployment: place every kernel on the device type that suits it (or solve a baseline policy)."""
@@ -64,6 +68,8 @@ def plan(
             raise TesseraError(f"--prices must be relative or cloud_usd (got {prices!r})")
         if max_batch is not None and max_batch < 1:
             raise TesseraError(f"--max-batch must be at least 1 (got {max_batch})")
+        if cache_ctx is not None and cache_ctx < 1:
+            raise TesseraError(f"--ctx must be at least 1 (got {cache_ctx})")
         from tessera.capture.models import resolve_model
 
         family = resolve_model(model).family
@@ -71,7 +77,8 @@ def plan(
         wl = parse_workload(text)
         cl = parse_cluster(cluster)
         ctx = PlanContext(model, cl, wl, text, max_batch, CostOptions(weights_dtype, kv_dtype), routing_skew=skew,
-                          price_scenario=prices, progress=lambda s: _err.print(f"[dim]{s}[/]"))
+                          price_scenario=prices, progress=lambda s: _err.print(f"[dim]{s}[/]"), cache_ctx=cache_ctx,
+                          split_experts=expert_split)
         _err.print(f"[dim]planning {model} on {cl.describe()} for {text}[/]")
         if compare:
             plans = compare_all(ctx, objective)

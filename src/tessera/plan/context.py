@@ -5,7 +5,7 @@ throughput model of :mod:`tessera.plan.deployment`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -101,11 +101,16 @@ class PlanContext:
     time_limit_s: float = 0.9  # per step solve: the best placement found and its proven gap by then
     search_time_s: float = 8.0  # solver seconds after which Tessera's search tries no further candidates
     progress: Any = None  # callable(str) for progress lines, or None
+    cache_ctx: int | None = None  # trace every phase with this cache context (the runtime's), not the workload's
+    split_experts: bool = True  # Tessera may split MoE expert GEMMs over targets (the runtime cannot run that yet)
 
     def __post_init__(self) -> None:
         self.spec = resolve_model(self.model)
         self.phases, self.outputs_per_request, self.unit = workload_phases(self.spec.family, self.workload,
                                                                            self.max_batch)
+        if self.cache_ctx is not None:
+            self.phases = [replace(p, ctx=self.cache_ctx, state_scale=1.0) if p.ctx is not None else p
+                           for p in self.phases]
         self.solve_seconds = 0.0  # spent in the placement solver so far (shared with for_batch children)
         self._graphs: dict[tuple, KernelGraph] = {}
         self._problems: dict[tuple, StepProblem] = {}
@@ -122,7 +127,8 @@ class PlanContext:
             return self
         child = PlanContext(self.model, self.cluster, self.workload, self.workload_text, batch, self.options,
                             self.profile, self.routing_skew, self.price_scenario, self.fold_chunks, self.gap,
-                            self.time_limit_s, self.search_time_s, self.progress)
+                            self.time_limit_s, self.search_time_s, self.progress, self.cache_ctx,
+                            self.split_experts)
         child._graphs, child._problems, child._folded = self._graphs, self._problems, self._folded
         child._solved = self.__dict__.setdefault("_solved", {})
         child._parent = self

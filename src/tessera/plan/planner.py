@@ -36,7 +36,7 @@ def _infeasible(ctx: PlanContext, policy: str, reason: str, device: str | None =
 def baselines(ctx: PlanContext, objective: str = "throughput") -> list[DeploymentPlan]:
     """Every baseline policy's best plan (homogeneous once per device type), in the policy list's order."""
     out = []
-    for rid in ctx.cluster.types():
+    for rid in ctx.cluster.placement_types():
         ctx.say(f"homogeneous on {rid}")
         out.append(homogeneous(ctx, objective, rid))
     for policy, solve in _BASELINES.items():
@@ -60,7 +60,7 @@ def plan_policy(ctx: PlanContext, policy: str = "tessera", objective: str = "thr
         return homogeneous(ctx, objective, device)
     reason = applicability(ctx, policy)
     if reason:
-        if policy == "tessera" or len(ctx.cluster.types()) == 1:
+        if policy == "tessera" or len(ctx.cluster.placement_types()) == 1:
             plan = homogeneous(ctx, objective, device)
             plan.policy = policy
             plan.reason = f"one device type: the {policy} plan is the homogeneous plan" + \
@@ -68,7 +68,7 @@ def plan_policy(ctx: PlanContext, policy: str = "tessera", objective: str = "thr
             return plan
         return _not_applicable(ctx, policy, reason)
     if policy == "tessera":
-        if len(ctx.cluster.devices) == 1 or len(ctx.cluster.types()) == 1:
+        if len(ctx.cluster.devices) == 1 or len(ctx.cluster.placement_types()) == 1:
             plan = homogeneous(ctx, objective, device)
             plan.policy = "tessera"
             plan.reason = ("one device: the plan is the homogeneous plan" if len(ctx.cluster.devices) == 1 else
@@ -82,7 +82,7 @@ def plan_policy(ctx: PlanContext, policy: str = "tessera", objective: str = "thr
 def compare(ctx: PlanContext, objective: str = "throughput") -> list[DeploymentPlan]:
     """Every policy's best plan: the baselines, then Tessera (which weighs them all)."""
     base = baselines(ctx, objective)
-    if len(ctx.cluster.types()) == 1:
+    if len(ctx.cluster.placement_types()) == 1:
         best = plan_policy(ctx, "tessera", objective)
     else:
         ctx.say("tessera")

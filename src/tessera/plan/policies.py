@@ -65,7 +65,7 @@ def applicability(ctx: PlanContext, policy: str) -> str | None:
     reason = NOT_APPLICABLE.get((policy, ctx.spec.family))
     if reason:
         return reason
-    types = ctx.cluster.types()
+    types = ctx.cluster.placement_types()
     if policy in ("prefill-decode", "attention-ffn", "layer-pipeline") and len(types) < 2:
         return f"it splits a model over two device types and the cluster has one ({ctx.cluster.describe()})"
     if policy == "request-dist" and len(types) < 2:
@@ -103,7 +103,7 @@ def _everywhere(ctx: PlanContext, targets: list[Target], target: int) -> Chosen:
 
 def homogeneous(ctx: PlanContext, objective: str, device: str | None = None) -> DeploymentPlan:
     """One device type alone: all its GPUs, as replicas or one sharded group, whichever is best."""
-    types = ctx.cluster.types()
+    types = ctx.cluster.placement_types()
     if device is None:
         if len(types) > 1:
             raise PolicyError(f"homogeneous needs --device: the cluster has {', '.join(types)}")
@@ -111,6 +111,8 @@ def homogeneous(ctx: PlanContext, objective: str, device: str | None = None) -> 
     from tessera.hardware.catalog import canonical_id
 
     rid = canonical_id(device) if device not in types else device
+    if rid not in types:  # "cpu" names the first local worker when every worker is a target of its own
+        rid = next((t for t in types if t.startswith(f"{rid}:")), rid)
     if rid not in types:
         raise PolicyError(f"--device {device}: the cluster has no {rid}; it has {', '.join(types)}")
     plans = []
@@ -128,7 +130,7 @@ def _replica(ctx: PlanContext, replicas: int) -> PlanContext:
 
 def request_dist(ctx: PlanContext, objective: str) -> DeploymentPlan:
     """Each device type runs its own best homogeneous replicas; throughputs add, requests split by speed."""
-    types = list(ctx.cluster.types())
+    types = list(ctx.cluster.placement_types())
     parts = [homogeneous(ctx, "throughput", rid) for rid in types]
     fitting = [p for p in parts if p.feasible]
     if len(fitting) > 1:  # the deployment's batch is shared: each type gets rows in proportion to its speed
@@ -494,7 +496,7 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
                     start = tuple(step.assignment)
                     break
             variants = [(True, True, 1), (False, False, 1)]
-            if ctx.spec.family == "moe":  # experts may also be split over the targets
+            if ctx.spec.family == "moe" and ctx.split_experts:  # experts may also be split over the targets
                 variants.append((True, True, EXPERT_PARTS))
             for follow, pin_state, parts in variants:
                 if best is not None and outer.solve_seconds - began > outer.search_time_s:

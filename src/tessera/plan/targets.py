@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from math import gcd
 
 from tessera.errors import TesseraError
-from tessera.hardware.catalog import DeviceSpec
+from tessera.hardware.catalog import HOST_ID, DeviceSpec
 from tessera.hardware.cluster import SAME_DEVICE, Cluster, Link
 
 MEMORY_USABLE = 0.90  # of a GPU's memory: the rest is the CUDA context, allocator slack and workspaces
@@ -36,6 +36,8 @@ class Target:
 
     @property
     def name(self) -> str:
+        if self.spec.id == HOST_ID:  # local cpu workers are targets one by one
+            return self.members[0]
         return self.spec.id if self.size == 1 else f"{self.spec.id}x{self.size}"
 
     @property
@@ -50,7 +52,7 @@ class Target:
 
 def replica_counts(cluster: Cluster, types: list[str] | None = None) -> list[int]:
     """Replica counts that split every (selected) device type evenly, ascending."""
-    counts = [len(v) for k, v in cluster.types().items() if types is None or k in types]
+    counts = [len(v) for k, v in cluster.placement_types().items() if types is None or k in types]
     if not counts:
         raise TargetError(f"cluster {cluster.describe()} has no devices of the selected types")
     g = 0
@@ -64,7 +66,7 @@ def cluster_targets(cluster: Cluster, replicas: int = 1, types: list[str] | None
     if not cluster.devices:
         raise TargetError("the cluster has no devices; give at least one, e.g. --cluster A100:1,L40S:1")
     out = []
-    for rid, devices in cluster.types().items():
+    for rid, devices in cluster.placement_types().items():
         if types is not None and rid not in types:
             continue
         if len(devices) % replicas:

@@ -80,7 +80,6 @@ class DistributedRunner:
         self.history: list[tuple] = []
         self.recoveries: list[Recovery] = []
         self.last_timing: StepTiming | None = None
-        self.epoch = 0
         self._install(placements, pool.alive)
 
     # ------------------------------------------------------------------------------------------------
@@ -98,8 +97,8 @@ class DistributedRunner:
             phase: build_programs(g, placements[phase], devices, self.micro_batches[phase])
             for phase, g in self.graphs.items()}
         self.placements = {p: list(a) for p, a in placements.items()}
-        self.epoch += 1
-        self.pool.call({w: {"op": "connect", "epoch": self.epoch, "members": members} for w in members},
+        self.pool.epoch += 1  # a fresh process group each time (never reused: its store keys are spent)
+        self.pool.call({w: {"op": "connect", "epoch": self.pool.epoch, "members": members} for w in members},
                        self.step_timeout_s)
         loads = {}
         for rank, w in enumerate(members):

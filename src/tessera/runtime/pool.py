@@ -67,6 +67,7 @@ class WorkerPool:
         self.threads = threads
         self.seq = [0] * len(devices)
         self.lost: set[int] = set()
+        self.epoch = 0  # process groups formed so far
         self.pending: dict[int, str] = {}  # worker -> reply key of a command not answered yet
 
     @classmethod

@@ -105,7 +105,7 @@ class Worker:
         self.pg = dist.ProcessGroupGloo(prefix, self.rank, len(members), self.timeout)
         return {"rank": self.rank}
 
-    def op_load(self, phases: dict[str, dict[str, Any]], weights_path: str | None,
+    def op_load(self, phases: dict[str, dict[str, Any]], weights_path: str | list[str] | None,
                 weights: dict[str, torch.Tensor] | None, state_instances: int) -> dict[str, Any]:
         """Load every phase's graph and program; read only the weights its kernels use; zero its state."""
         from tessera.runtime.executor import Executor
@@ -114,15 +114,14 @@ class Worker:
         names = sorted({w for ph in phases.values() for w in ph["program"].weights})
         have = {n: t for n, t in self.weights.items() if n in names}
         missing = [n for n in names if n not in have]
-        if missing:
-            if weights is not None:
-                have.update({n: weights[n] for n in missing if n in weights})
-            elif weights_path is not None:
-                graphs = [ph["graph"] for ph in phases.values()]
-                aliases = {a: n for g in graphs for n in missing for a in g.buffers[n].aliases}
-                got = load_weights(weights_path, missing + list(aliases))
-                have.update({n: got[n] for n in missing if n in got})
-                have.update({aliases[a]: got[a] for a in aliases if a in got and aliases[a] not in have})
+        if missing and weights is not None:
+            have.update({n: weights[n] for n in missing if n in weights})
+        elif missing and weights_path is not None:
+            graphs = [ph["graph"] for ph in phases.values()]
+            wanted = set(missing) | {a for g in graphs for n in missing for a in g.buffers[n].aliases}
+            for path in [weights_path] if isinstance(weights_path, str) else weights_path:
+                got = load_weights(path, sorted(wanted - set(have)))
+                have.update(got)
         self.weights = have
         self.phases = {}
         shapes: dict[str, tuple] = {}

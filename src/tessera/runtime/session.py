@@ -1,0 +1,171 @@
+"""Setting up a generation run on workers: the graphs at the run's shapes, where their kernels go (a plan
+file, a policy planned with this host's measured profile, or a synthetic placement), the weight files,
+and the text generation loop itself."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tessera.errors import TesseraError
+from tessera.graph.ir import KernelGraph
+from tessera.plan.deployment import DeploymentPlan, PlanFileError
+from tessera.program.placements import PLACEMENTS, synthetic_placement
+from tessera.runtime.distributed import DistributedRunner
+
+CTX_BUCKET = 64  # the KV cache is sized to prompt + new tokens rounded up to this
+TEXT_FAMILIES = ("llm", "moe", "ssm")
+PROFILE_WARMUP, PROFILE_REPEATS = 1, 3
+
+
+class RunSetupError(TesseraError):
+    """A run that cannot be set up as asked (model, plan, placement, sampling)."""
+
+
+def cache_context(prompt_tokens: int, max_tokens: int) -> int:
+    """The cache context of a run: prompt plus new tokens, rounded up to CTX_BUCKET."""
+    need = prompt_tokens + max_tokens
+    return -(-need // CTX_BUCKET) * CTX_BUCKET
+
+
+def runtime_graphs(model: str, prompt_tokens: int, ctx: int, batch: int = 1) -> dict[str, KernelGraph]:
+    """The prefill (``prompt_tokens`` long) and decode graphs of ``model`` at ``batch`` rows and cache ``ctx``,
+    traced on meta exactly as the planner traces them (so plan files match by graph hash)."""
+    from tessera.capture.api import trace_model
+    from tessera.capture.models import resolve_model
+
+    spec = resolve_model(model)
+    if spec.family not in TEXT_FAMILIES:
+        raise RunSetupError(f"tessera run generates text; {spec.name} is a {spec.family} model (text models: "
+                            f"{', '.join(TEXT_FAMILIES)} families)")
+    return {"prefill": trace_model(model, "prefill", batch=batch, seq=prompt_tokens, ctx=ctx),
+            "decode": trace_model(model, "decode", batch=batch, ctx=ctx)}
+
+
+def weight_files(model: str) -> list[str]:
+    """The safetensors files holding ``model``'s real weights."""
+    from tessera.capture.models import resolve_model
+    from tessera.capture.pretrained import weights_dir
+
+    folder = weights_dir(resolve_model(model))
+    return [str(f) for f in sorted(folder.glob("*.safetensors"))]
+
+
+@dataclass
+class Placement:
+    """Where each phase's kernels run, with M per phase, how it was found and how to find it again on fewer
+    workers (after a lost one)."""
+
+    placements: dict[str, list[int]]
+    micro_batches: dict[str, int]
+    how: str
+    replan: Callable[[int], dict[str, list[int]]]
+    plan: DeploymentPlan | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def placements_from_plan(plan: DeploymentPlan, graphs: dict[str, KernelGraph], workers: int,
+                         source: str = "the plan") -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Each phase's kernel -> worker from a deployment plan made for exactly these graphs."""
+    if not plan.applicable or not plan.feasible:
+        raise PlanFileError(f"{source} ({plan.policy}) is not a runnable plan: {plan.reason}")
+    out, mbs = {}, {}
+    for phase, g in graphs.items():
+        step = plan.check_graph(phase, g.hash)
+        if step.expert_parts:
+            raise PlanFileError(f"{source} splits MoE expert GEMMs over devices ({len(step.expert_parts)} kernels), "
+                                "which the runtime does not execute yet; plan with --no-expert-split")
+        used = max(step.assignment) + 1
+        if used > workers:
+            raise PlanFileError(f"{source} places kernels on {used} devices ({', '.join(plan.targets)}) but the "
+                                f"cluster has {workers} workers; run it on a cluster with at least {used}")
+        out[phase], mbs[phase] = list(step.assignment), step.micro_batches
+    return out, mbs
+
+
+def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
+                 log: Callable[[str], None] = lambda s: None):
+    """This host's measured kernel times for the run's graphs at ``threads`` threads (cached per graph)."""
+    from tessera.cost.profile import Profile
+    from tessera.cost.profiler import profile_model
+    from tessera.paths import default_cache_dir
+
+    merged = None
+    for phase, g in graphs.items():
+        path = default_cache_dir() / "profiles" / f"{g.model}-{phase}-{g.hash[:16]}-t{threads}.json"
+        if path.is_file():
+            prof = Profile.load(path)
+        else:
+            log(f"measuring {phase} kernels on this CPU at {threads} thread(s) (cached in {path.parent})")
+            m = g.meta
+            prof, _ = profile_model(model, phase, batch=m.get("batch"), seq=m.get("seq"), ctx=m.get("ctx"),
+                                    device="cpu", threads=threads, warmup=PROFILE_WARMUP, repeats=PROFILE_REPEATS)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            prof.save(path)
+        if merged is None:
+            merged = prof
+        else:
+            merged.kernels = [*merged.kernels, *prof.kernels]
+    return merged
+
+
+def policy_placement(model: str, graphs: dict[str, KernelGraph], workers: int, policy: str, max_tokens: int,
+                     profile=None, device: str | None = None, log: Callable[[str], None] = lambda s: None) -> Placement:
+    """Plan ``policy`` on ``cpu:workers`` for these graphs (one request, the run's shapes)."""
+    from tessera.hardware.cluster import parse_cluster
+    from tessera.plan.context import PlanContext
+    from tessera.plan.planner import plan_policy
+    from tessera.workload import parse_workload
+
+    prefill = graphs["prefill"]
+    prompt, ctx = prefill.meta["seq"], prefill.meta["ctx"]
+    text = f"fixed:in={prompt},out={max_tokens},requests={prefill.meta['batch']}"
+
+    def solve(n: int) -> DeploymentPlan:
+        pctx = PlanContext(model, parse_cluster(f"cpu:{n}"), parse_workload(text), text,
+                           max_batch=prefill.meta["batch"], profile=profile, cache_ctx=ctx, split_experts=False,
+                           progress=log)
+        return plan_policy(pctx, policy, "throughput", device)
+
+    plan = solve(workers)
+    placements, mbs = placements_from_plan(plan, graphs, workers, f"the {policy} plan")
+    how = f"{policy} plan" + (f" ({plan.reason})" if plan.reason else "")
+    return Placement(placements, mbs, how, lambda n: placements_from_plan(solve(n), graphs, n)[0], plan)
+
+
+def synthetic(graphs: dict[str, KernelGraph], workers: int, kind: str, seed: int = 0) -> Placement:
+    """``alternate`` or ``random`` placement of every phase (see :mod:`tessera.program.placements`)."""
+    if kind not in PLACEMENTS:
+        raise RunSetupError(f"--placement must be one of {', '.join(PLACEMENTS)} (got {kind!r})")
+
+    def place(n: int) -> dict[str, list[int]]:
+        return {ph: synthetic_placement(g, n, kind, seed) for ph, g in graphs.items()}
+
+    return Placement(place(workers), {ph: 1 for ph in graphs}, f"{kind} placement" +
+                     (f" (seed {seed})" if kind == "random" else ""), place)
+
+
+def plan_file_placement(path: Path, graphs: dict[str, KernelGraph], workers: int, model: str, max_tokens: int,
+                        profile=None, log: Callable[[str], None] = lambda s: None) -> Placement:
+    """The placement of a plan file (checked against the graphs); re-planning falls back to ``tessera``."""
+    plan = DeploymentPlan.load(path)
+    placements, mbs = placements_from_plan(plan, graphs, workers, f"plan file {path}")
+
+    def replan(n: int) -> dict[str, list[int]]:
+        return policy_placement(model, graphs, n, "tessera", max_tokens, profile, log=log).placements
+
+    return Placement(placements, mbs, f"{plan.policy} plan from {path}", replan, plan)
+
+
+def distributed_runner_fn(runner: DistributedRunner) -> Callable[[str, dict[str, torch.Tensor]], torch.Tensor]:
+    """The (phase, inputs) -> logits function of a DistributedRunner."""
+    return lambda phase, inputs: runner.step(phase, inputs)["logits"]
+
+
+def describe_transfers(runner: DistributedRunner) -> str:
+    """One line per phase: transfers and bytes per step."""
+    return "; ".join(f"{ph}: {len(sp.transfers)} transfers, {sp.cut_bytes / 1e3:.1f} kB per step"
+                     for ph, sp in runner.programs.items())
