@@ -10,7 +10,7 @@ from tessera.graph.ir import KernelGraph
 
 def trace_model(model: str, phase: str, *, batch: int | None = None, seq: int | None = None,
                 ctx: int | None = None, image: str | None = None, resolution: str | None = None,
-                device: str = "meta") -> KernelGraph:
+                device: str = "meta", slots: int | None = None) -> KernelGraph:
     """Trace one step of ``model`` (catalog name or local HF directory); image is 'WxH', resolution 'N' or 'WxH'."""
     from tessera.capture.steps.diffusion import parse_resolution
     from tessera.capture.steps.vlm import parse_image_size
@@ -22,5 +22,6 @@ def trace_model(model: str, phase: str, *, batch: int | None = None, seq: int | 
         raise TesseraError(f"--device must be meta or cpu (got {device!r})")
     img = parse_image_size(image) if image else None
     res = parse_resolution(resolution) if resolution else None
-    step = make_step(model, phase, batch=batch, seq=seq, ctx=ctx, image=img, resolution=res, device=device)
+    step = make_step(model, phase, batch=batch, seq=seq, ctx=ctx, image=img, resolution=res, device=device,
+                     slots=slots)
     return trace(step)

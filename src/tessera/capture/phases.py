@@ -36,11 +36,12 @@ class StepShape:
     ctx: int
     image: tuple[int, int] | None = None
     resolution: tuple[int, int] | None = None
+    slots: int | None = None  # rows of the engine state (KV / SSM cache); default: the batch
 
 
 def resolve_shape(spec: ModelSpec, config, phase: str, batch: int | None = None, seq: int | None = None,
                   ctx: int | None = None, image: tuple[int, int] | None = None,
-                  resolution: tuple[int, int] | None = None) -> StepShape:
+                  resolution: tuple[int, int] | None = None, slots: int | None = None) -> StepShape:
     """Fill defaults and check the shapes against the model (clear errors for impossible ones)."""
     if batch is None:
         batch = 1 if spec.family == "diffusion" else DEFAULT_BATCH.get(phase, 1)
@@ -49,6 +50,8 @@ def resolve_shape(spec: ModelSpec, config, phase: str, batch: int | None = None,
         raise ShapeError(f"--batch must be at least 1 (got {batch})")
     if seq < 1:
         raise ShapeError(f"--seq must be at least 1 (got {seq})")
+    if slots is not None and slots < batch:
+        raise ShapeError(f"the cache needs at least one slot per row: {slots} slots for a batch of {batch}")
     if spec.family == "diffusion":
         return StepShape(batch, seq, 0, resolution=resolution or DEFAULT_RESOLUTION)
     text = getattr(config, "text_config", config)
@@ -62,7 +65,8 @@ def resolve_shape(spec: ModelSpec, config, phase: str, batch: int | None = None,
     if max_pos is not None and spec.family != "ssm" and ctx > max_pos:
         raise ShapeError(f"context {ctx} is beyond {spec.name}'s max_position_embeddings ({max_pos}); use "
                          f"--ctx {max_pos} or less")
-    return StepShape(batch, seq, ctx, image=(image or DEFAULT_IMAGE) if spec.family == "vlm" else None)
+    return StepShape(batch, seq, ctx, image=(image or DEFAULT_IMAGE) if spec.family == "vlm" else None,
+                     slots=None if slots == batch else slots)
 
 
 def check_phase(spec: ModelSpec, phase: str) -> None:
@@ -111,15 +115,17 @@ def step_for(spec: ModelSpec, modules, constant_values, phase: str, shape: StepS
         from tessera.capture.steps.llm import llm_step
 
         return llm_step(modules, constant_values, family=spec.family, seq=shape.seq, ctx=shape.ctx, state=state,
-                        **common)
+                        slots=shape.slots, **common)
     if spec.family == "ssm":
         from tessera.capture.steps.ssm import ssm_step
 
-        return ssm_step(modules, constant_values, seq=shape.seq, ctx=shape.ctx, state=state, **common)
+        return ssm_step(modules, constant_values, seq=shape.seq, ctx=shape.ctx, state=state, slots=shape.slots,
+                        **common)
     if spec.family == "vlm":
         from tessera.capture.steps.vlm import vlm_step
 
-        return vlm_step(modules, constant_values, seq=shape.seq, ctx=shape.ctx, image=shape.image, **common)
+        return vlm_step(modules, constant_values, seq=shape.seq, ctx=shape.ctx, image=shape.image, state=state,
+                        slots=shape.slots, **common)
     from tessera.capture.steps.diffusion import diffusion_step
 
     return diffusion_step(modules, constant_values, resolution=shape.resolution, **common)
@@ -127,12 +133,13 @@ def step_for(spec: ModelSpec, modules, constant_values, phase: str, shape: StepS
 
 def make_step(model: str, phase: str, *, batch: int | None = None, seq: int | None = None,
               ctx: int | None = None, image: tuple[int, int] | None = None,
-              resolution: tuple[int, int] | None = None, device: str = "meta") -> Step:
-    """Resolve ``model`` (checked first), validate phase and shapes, build it and return the Step."""
+              resolution: tuple[int, int] | None = None, device: str = "meta", slots: int | None = None) -> Step:
+    """Resolve ``model`` (checked first), validate phase and shapes, build it and return the Step (its state
+    with ``slots`` rows, default the batch)."""
     spec = resolve_model(model)
     check_phase(spec, phase)
     config = load_config(spec)
-    shape = resolve_shape(spec, config, phase, batch, seq, ctx, image, resolution)
+    shape = resolve_shape(spec, config, phase, batch, seq, ctx, image, resolution, slots)
     if device != "meta" and spec.params and spec.params * 2 > MAX_HOST_BUILD_BYTES:
         raise ShapeError(f"{spec.name} has {spec.params:,} parameters ({spec.params * 2 / 2**30:.1f} GiB in "
                          f"bf16): too large to build with random weights on {device}; trace it on meta")

@@ -46,6 +46,7 @@ class PhaseSpec:
     repeats: float  # steps per request
     micro_batched: bool  # may run as M > 1 micro-batches
     state_scale: float = 1.0  # state bytes resident per traced state byte (cache capacity / traced ctx)
+    slots: int | None = None  # rows of the traced state when they differ from the batch (runtime plans)
 
     @property
     def rows(self) -> int:
@@ -103,6 +104,8 @@ class PlanContext:
     progress: Any = None  # callable(str) for progress lines, or None
     cache_ctx: int | None = None  # trace every phase with this cache context (the runtime's), not the workload's
     split_experts: bool = True  # Tessera may split MoE expert GEMMs over targets (the runtime cannot run that yet)
+    micro_batches: int | None = None  # the main phase's M, fixed (the runtime's): other phases share its state
+    image: str | None = None  # vision-language models: the image size "WxH" (default: the catalog's)
 
     def __post_init__(self) -> None:
         self.spec = resolve_model(self.model)
@@ -111,6 +114,13 @@ class PlanContext:
         if self.cache_ctx is not None:
             self.phases = [replace(p, ctx=self.cache_ctx, state_scale=1.0) if p.ctx is not None else p
                            for p in self.phases]
+        if self.micro_batches is not None:  # one state instance per micro-batch, shared by every phase
+            m, main = self.micro_batches, self.main_phase
+            if m < 1:
+                raise PlanningError(f"micro-batches must be at least 1 (got {m})")
+            if main.batch % m == 0:  # else this batch (a replica's share) has no plan at this M
+                self.phases = [replace(p, slots=main.batch // m) if p.ctx is not None and not p.micro_batched
+                               else p for p in self.phases]
         self.solve_seconds = 0.0  # spent in the placement solver so far (shared with for_batch children)
         self._graphs: dict[tuple, KernelGraph] = {}
         self._problems: dict[tuple, StepProblem] = {}
@@ -128,7 +138,7 @@ class PlanContext:
         child = PlanContext(self.model, self.cluster, self.workload, self.workload_text, batch, self.options,
                             self.profile, self.routing_skew, self.price_scenario, self.fold_chunks, self.gap,
                             self.time_limit_s, self.search_time_s, self.progress, self.cache_ctx,
-                            self.split_experts)
+                            self.split_experts, self.micro_batches, self.image)
         child._graphs, child._problems, child._folded = self._graphs, self._problems, self._folded
         child._solved = self.__dict__.setdefault("_solved", {})
         child._parent = self
@@ -155,21 +165,27 @@ class PlanContext:
         """The phase a request repeats most (decode; denoising steps)."""
         return max(self.phases, key=lambda p: p.repeats)
 
+    def fixed_m(self, phase: PhaseSpec) -> int:
+        """M of a phase whose placement is fixed (not searched): the context's M for the micro-batched phase."""
+        return (self.micro_batches or 1) if phase.micro_batched else 1
+
     def micro_batch_options(self, phase: PhaseSpec, minimum: int = 1) -> list[int]:
         """M values this phase can use: the batch splits evenly into M micro-batches."""
         if not phase.micro_batched:
             return [1] if minimum <= 1 else []
-        return [m for m in MICRO_BATCHES if m >= minimum and phase.batch % m == 0]
+        allowed = MICRO_BATCHES if self.micro_batches is None else (self.micro_batches,)
+        return [m for m in allowed if m >= minimum and phase.batch % m == 0]
 
     def graph(self, phase: PhaseSpec, micro_batches: int = 1) -> KernelGraph:
         """The phase's graph traced at the micro-batch size (cached)."""
         from tessera.capture.api import trace_model
 
-        key = (phase.phase, phase.batch // micro_batches, phase.seq, phase.ctx, phase.resolution)
+        image = self.image if self.spec.family == "vlm" else None
+        key = (phase.phase, phase.batch // micro_batches, phase.seq, phase.ctx, phase.resolution, phase.slots, image)
         if key not in self._graphs:
             self.say(f"tracing {self.model} {phase.phase} (batch {key[1]})")
             self._graphs[key] = trace_model(self.model, phase.phase, batch=key[1], seq=phase.seq, ctx=phase.ctx,
-                                            resolution=phase.resolution)
+                                            resolution=phase.resolution, slots=phase.slots, image=image)
         return self._graphs[key]
 
     def step_problem(self, phase: PhaseSpec, targets: list[Target], micro_batches: int = 1,

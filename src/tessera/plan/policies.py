@@ -93,9 +93,12 @@ def _best(plans, objective: str) -> DeploymentPlan | None:
 
 
 def _everywhere(ctx: PlanContext, targets: list[Target], target: int) -> Chosen:
-    """Every phase's kernels on one target (M = 1)."""
-    return [(ph, 1, (target,) * ctx.step_problem(ph, targets, 1).problem.kernels, {"method": "fixed"})
-            for ph in ctx.phases]
+    """Every phase's kernels on one target (M = 1, or the context's fixed M)."""
+    out = []
+    for ph in ctx.phases:
+        m = ctx.fixed_m(ph)
+        out.append((ph, m, (target,) * ctx.step_problem(ph, targets, m).problem.kernels, {"method": "fixed"}))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -118,8 +121,14 @@ def homogeneous(ctx: PlanContext, objective: str, device: str | None = None) -> 
     plans = []
     for r in replica_counts(ctx.cluster, [rid]):
         rctx = _replica(ctx, r)
+        if not rctx.micro_batch_options(rctx.main_phase):  # a fixed M that does not split this replica's batch
+            continue
         targets = cluster_targets(ctx.cluster, r, [rid])
         plans.append(rctx.assemble("homogeneous", targets, r, _everywhere(rctx, targets, 0), objective, device=rid))
+    if not plans:
+        return DeploymentPlan(model=ctx.model, cluster=ctx.cluster.describe(), workload=ctx.workload_text,
+                              policy="homogeneous", applicable=True, feasible=False, device=rid, unit=ctx.unit,
+                              reason=f"{ctx.micro_batches} micro-batches do not split any replica's batch")
     return _best(plans, objective)
 
 
@@ -140,9 +149,9 @@ def request_dist(ctx: PlanContext, objective: str) -> DeploymentPlan:
                  for p in parts]
         fitting = [p for p in parts if p.feasible]
     if not fitting:
+        reason = "no device type holds a replica: " + "; ".join(f"{p.device}: {p.reason}" for p in parts)
         plan = parts[0]
-        plan.policy, plan.device = "request-dist", None
-        plan.reason = "no device type holds a replica: " + "; ".join(f"{p.device}: {p.reason}" for p in parts)
+        plan.policy, plan.device, plan.reason = "request-dist", None, reason
         return plan
     plan = DeploymentPlan(
         model=ctx.model, cluster=ctx.cluster.describe(), workload=ctx.workload_text, policy="request-dist",
@@ -171,12 +180,15 @@ def prefill_decode(ctx: PlanContext, objective: str) -> DeploymentPlan:
     for r in replica_counts(ctx.cluster):
         rctx = _replica(ctx, r)
         main = rctx.main_phase
+        if not rctx.micro_batch_options(main):
+            continue
         targets = cluster_targets(ctx.cluster, r)
         for a, b in itertools.permutations(range(len(targets)), 2):
             chosen = []
             for ph in rctx.phases:
-                k = rctx.step_problem(ph, targets, 1).problem.kernels
-                chosen.append((ph, 1, ((b if ph is main else a),) * k, {"method": "fixed"}))
+                m = rctx.fixed_m(ph)
+                k = rctx.step_problem(ph, targets, m).problem.kernels
+                chosen.append((ph, m, ((b if ph is main else a),) * k, {"method": "fixed"}))
             plans.append(rctx.assemble("prefill-decode", targets, r, chosen, objective,
                                        reason=f"prefill on {targets[a].name}, decode on {targets[b].name}"))
     return _best(plans, objective)

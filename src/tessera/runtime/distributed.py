@@ -80,6 +80,7 @@ class DistributedRunner:
         self.history: list[tuple] = []
         self.recoveries: list[Recovery] = []
         self.last_timing: StepTiming | None = None
+        self.moved_bytes = 0  # state moved between workers so far (explicit moves)
         self._install(placements, pool.alive)
 
     # ------------------------------------------------------------------------------------------------
@@ -173,22 +174,35 @@ class DistributedRunner:
                     for r in rows:
                         owner[r] = dst
         if moves:
-            self.pool.call({w: {"op": "move", "moves": mv} for w, mv in moves.items()}, self.step_timeout_s)
+            replies = self.pool.call({w: {"op": "move", "moves": mv} for w, mv in moves.items()}, self.step_timeout_s)
+            self.moved_bytes += sum(r["bytes"] for r in replies.values()) // 2  # counted by sender and receiver
 
     # ------------------------------------------------------------------------------------------------
+    def slots_per_instance(self) -> int:
+        """Rows of each state instance (requests one micro-batch holds); 1 without state."""
+        for g in self.graphs.values():
+            if g.state:
+                return self._rows(g.state[0])
+        return 1
+
     def step(self, phase: str, inputs: dict[str, torch.Tensor], trace: bool = False) -> dict[str, torch.Tensor]:
-        """Run ``phase`` on a batch of rows: split into the graph's batch size, chunk c on state instance c,
-        M chunks per step; returns the outputs concatenated in row order."""
+        """Run ``phase`` on a batch of rows: row r belongs to state instance r // slots_per_instance (its
+        ``slots`` input is the local slot); rows are cut into the graph's batch, M chunks per step. Returns the
+        outputs concatenated in row order."""
         if phase not in self.graphs:
             raise RuntimeInputError(f"no graph for phase {phase!r}; phases: {', '.join(sorted(self.graphs))}")
-        chunks = _split_rows(self.graphs[phase], inputs)
+        graph = self.graphs[phase]
+        chunks = _split_rows(graph, inputs)
         m = self.micro_batches[phase]
-        if len(chunks) % m or len(chunks) > self.state_instances:
-            raise RuntimeInputError(f"{phase}: {len(chunks)} chunks of rows do not fill steps of {m} micro-batches "
-                                    f"over {self.state_instances} state instances")
+        b = graph.buffers[graph.inputs[0]].shape[0]
+        per = self.slots_per_instance() if graph.state else b
+        instances = [c * b // per for c in range(len(chunks))]
+        if len(chunks) % m or max(instances) >= self.state_instances:
+            raise RuntimeInputError(f"{phase}: {len(chunks) * b} rows do not fill steps of {m} micro-batches of {b} "
+                                    f"over {self.state_instances} state instances of {per} slots")
         outs: list[dict[str, torch.Tensor]] = []
         for first in range(0, len(chunks), m):
-            outs += self.step_chunks(phase, chunks[first: first + m], list(range(first, first + m)), trace)
+            outs += self.step_chunks(phase, chunks[first: first + m], instances[first: first + m], trace)
         return {name: torch.cat([o[name] for o in outs]) for name in outs[0]}
 
     def step_chunks(self, phase: str, chunks: list[dict[str, torch.Tensor]], instances: list[int],

@@ -45,6 +45,9 @@ class Executor:
         self.device = torch.device(device)
         self.storages: dict[str, torch.UntypedStorage] = {}
         self._static: dict[str, torch.UntypedStorage] = {}
+        self._calls: dict[int, _Call] = {}
+        self._view_caches: list[dict] = [{}]  # per micro-batch: buffer -> view key -> (storage, tensor)
+        self._views = self._view_caches[0]
         missing = []
         for name in program.weights:
             buf = graph.buffers[name]
@@ -64,34 +67,45 @@ class Executor:
                 self._static[buf.name] = values.to(self.device).untyped_storage()
 
     def _materialize(self, ref: TensorRef) -> torch.Tensor:
-        storage = self.storages.get(ref.buffer)
+        return self._tensor(_Slot.of(ref))
+
+    def _tensor(self, slot: _Slot) -> torch.Tensor:
+        """The view ``slot`` over the current storages (cached while the buffer's storage stays the same)."""
+        storage = self.storages.get(slot.buffer)
         if storage is None:
-            buf = self.graph.buffers[ref.buffer]
+            buf = self.graph.buffers[slot.buffer]
             if buf.kind not in ("activation", "output"):
-                raise ExecutionError(f"buffer {ref.buffer} ({buf.kind}) is not available on {self.device}")
+                raise ExecutionError(f"buffer {slot.buffer} ({buf.kind}) is not available on {self.device}")
             # an allocation the model made (torch.empty) and later writes into
             storage = torch.zeros(buf.nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
-            self.storages[ref.buffer] = storage
-        t = torch.empty(0, dtype=dtype_from_name(ref.dtype), device=self.device)
-        return t.set_(storage, ref.offset, ref.sizes, ref.strides)
+            self.storages[slot.buffer] = storage
+        views = self._views.get(slot.buffer)
+        if views is None:
+            views = self._views[slot.buffer] = {}
+        else:
+            hit = views.get(slot.key)
+            if hit is not None and hit[0] is storage:
+                return hit[1]
+        t = torch.empty(0, dtype=slot.dtype, device=self.device).set_(storage, slot.offset, slot.sizes, slot.strides)
+        views[slot.key] = (storage, t)
+        return t
 
-    def _bind_output(self, ref: TensorRef, value: torch.Tensor) -> None:
-        present = self.storages.get(ref.buffer)
+    def _bind_output(self, slot: _Slot, value: torch.Tensor) -> None:
+        present = self.storages.get(slot.buffer)
         if present is not None:
             if value.untyped_storage().data_ptr() != present.data_ptr():
                 # the buffer already holds bytes (received from another device): the new ones go into it
-                self._materialize(ref).copy_(value)
+                self._tensor(slot).copy_(value)
             return  # else written in place
-        buf = self.graph.buffers[ref.buffer]
         st = value.untyped_storage()
-        if (st.nbytes() == buf.nbytes and value.storage_offset() == ref.offset
-                and list(value.stride()) == ref.strides):
-            self.storages[ref.buffer] = st
+        if st.nbytes() == slot.nbytes and value.storage_offset() == slot.offset and value.stride() == slot.strides:
+            self.storages[slot.buffer] = st
+            self._views.setdefault(slot.buffer, {})[slot.key] = (st, value)
             return
         # the device kernel chose another layout than the trace recorded: keep the recorded one
-        storage = torch.empty(buf.nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
-        self.storages[ref.buffer] = storage
-        self._materialize(ref).copy_(value)
+        storage = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
+        self.storages[slot.buffer] = storage
+        self._tensor(slot).copy_(value)
 
     def _bind_inputs(self, kind: str, names: list[str], given: Mapping[str, torch.Tensor]) -> None:
         for name in names:
@@ -121,16 +135,33 @@ class Executor:
         (only ``input_names`` / ``state_names`` are bound, all of the graph's by default); micro-batch 0 is
         selected."""
         self.instances = []
+        while len(self._view_caches) < len(inputs):
+            self._view_caches.append({})
         for mb_inputs, mb_state in zip(inputs, state, strict=True):
             self.storages = dict(self._static)
             self._bind_inputs("input", self.graph.inputs if input_names is None else input_names, mb_inputs)
             self._bind_inputs("state", self.graph.state if state_names is None else state_names, mb_state)
             self.instances.append(self.storages)
-        self.storages = self.instances[0]
+        self.select(0)
 
     def select(self, microbatch: int) -> None:
         """Make ``microbatch``'s buffer instances the current ones."""
         self.storages = self.instances[microbatch]
+        self._views = self._view_caches[microbatch]
+
+    def release(self) -> None:
+        """Drop every buffer instance and cached view of activations (the step is over)."""
+        self.instances = []
+        self.storages = {}
+        for cache in self._view_caches:
+            for name in [b for b in cache if b not in self._static]:
+                del cache[name]
+
+    def _compiled(self, index: int) -> _Call:
+        call = self._calls.get(index)
+        if call is None:
+            call = self._calls[index] = _Call.compile(self.graph, index, self.device)
+        return call
 
     def bind_kernel(self, index: int) -> tuple[Any, list[Any], dict[str, Any]]:
         """The op of kernel ``index`` and its arguments as tensors over the current storages.
@@ -138,25 +169,32 @@ class Executor:
         Calling ``func(*args, **kwargs)`` again reruns the kernel on the same tensors (what a profiler
         times); its result is not bound, see :meth:`run_kernel`.
         """
-        k = self.graph.kernels[index]
-        func = resolve_op(k.op)
-        args = decode(k.args, self._materialize, self.device)
-        kwargs = {n: decode(v, self._materialize, self.device) for n, v in k.kwargs.items()}
-        return func, args, kwargs
+        call = self._compiled(index)
+        call.fill(self._tensor)
+        return call.func, list(call.args), dict(call.kwargs)
 
     def run_kernel(self, index: int) -> None:
         """Run kernel ``index`` once on the current storages and bind the buffers it produces."""
-        k = self.graph.kernels[index]
-        func, args, kwargs = self.bind_kernel(index)
+        call = self._compiled(index)
+        call.fill(self._tensor)
         with torch.no_grad():
             try:
-                out = func(*args, **kwargs)
+                out = call.func(*call.args, **call.kwargs)
             except Exception as e:
-                raise ExecutionError(f"kernel {k.id} failed: {e}") from e
-            outs = tree_flatten(out)[0]
-            for ref_json, value in zip(k.outputs, outs, strict=False):
-                if ref_json is not None and isinstance(value, torch.Tensor):
-                    self._bind_output(TensorRef.from_json(ref_json), value)
+                raise ExecutionError(f"kernel {self.graph.kernels[index].id} failed: {e}") from e
+        if isinstance(out, torch.Tensor):
+            if call.outs and call.outs[0] is not None:
+                self._bind_output(call.outs[0], out)
+            return
+        outs = tree_flatten(out)[0] if isinstance(out, (tuple, list)) else []
+        for slot, value in zip(call.outs, outs, strict=False):
+            if slot is not None and isinstance(value, torch.Tensor):
+                self._bind_output(slot, value)
+
+    def free(self, buffer: str) -> None:
+        """Drop the current instance of ``buffer`` and its cached views."""
+        self.storages.pop(buffer, None)
+        self._views.pop(buffer, None)
 
     def outputs(self) -> dict[str, torch.Tensor]:
         """The step outputs as tensors over the current storages."""
@@ -171,7 +209,66 @@ class Executor:
             if ins.kind == "run":
                 self.run_kernel(ins.kernel)
             elif ins.kind == "free":
-                self.storages.pop(ins.buffer, None)
+                self.free(ins.buffer)
             else:
                 raise ExecutionError(f"instruction {ins.kind} needs the distributed runtime")
         return self.outputs()
+
+
+class _Slot:
+    """A tensor argument: a strided view of a buffer, with what binding it needs precomputed."""
+
+    __slots__ = ("buffer", "dtype", "offset", "sizes", "strides", "key", "nbytes")
+
+    def __init__(self, ref: TensorRef, nbytes: int = 0):
+        self.buffer = ref.buffer
+        self.dtype = dtype_from_name(ref.dtype)
+        self.offset = ref.offset
+        self.sizes = tuple(ref.sizes)
+        self.strides = tuple(ref.strides)
+        self.key = (ref.buffer, ref.dtype, self.offset, self.sizes, self.strides)
+        self.nbytes = nbytes
+
+    @classmethod
+    def of(cls, ref: TensorRef) -> _Slot:
+        return cls(ref)
+
+
+class _Call:
+    """One kernel's op with its arguments decoded once; tensor positions are refilled before every call."""
+
+    def __init__(self, func, args: list, kwargs: dict, holes: list, outs: list[_Slot | None]):
+        self.func, self.args, self.kwargs, self.holes, self.outs = func, args, kwargs, holes, outs
+
+    @classmethod
+    def compile(cls, graph: KernelGraph, index: int, device: torch.device) -> _Call:
+        k = graph.kernels[index]
+        func = resolve_op(k.op)
+        args = decode(k.args, _Slot.of, device)
+        kwargs = {n: decode(v, _Slot.of, device) for n, v in k.kwargs.items()}
+        holes: list[tuple[Any, Any, _Slot]] = []
+
+        def find(container, key, value) -> None:
+            if isinstance(value, _Slot):
+                holes.append((container, key, value))
+            elif isinstance(value, list):
+                for i, v in enumerate(value):
+                    find(value, i, v)
+
+        for i, v in enumerate(args):
+            find(args, i, v)
+        for n, v in kwargs.items():
+            find(kwargs, n, v)
+        outs = []
+        for ref in k.outputs:
+            if ref is None:
+                outs.append(None)
+                continue
+            r = TensorRef.from_json(ref)
+            outs.append(_Slot(r, graph.buffers[r.buffer].nbytes))
+        return cls(func, args, kwargs, holes, outs)
+
+    def fill(self, tensor) -> None:
+        """Put the current tensor of every slot into the argument containers."""
+        for container, key, slot in self.holes:
+            container[key] = tensor(slot)

@@ -133,7 +133,6 @@ class WorkerPool:
         waiting = {w: self.pending[w] for w in cmds}
         replies: dict[int, dict[str, Any]] = {}
         start = time.monotonic()
-        naps = 0
         while waiting:
             w, key = next(iter(waiting.items()))
             if self.store.check([key]):
@@ -146,8 +145,7 @@ class WorkerPool:
             if waited > timeout_s:
                 self.lost.add(w)
                 raise WorkerLost(w, self.devices[w], f"no reply to {cmds[w]['op']!r} within {timeout_s:.0f} s", waited)
-            naps += 1
-            time.sleep(nap(naps))
+            time.sleep(nap(waited))
         failed = [(w, r) for w, r in replies.items() if not r["ok"]]
         if failed:
             w, r = failed[0]
@@ -169,7 +167,7 @@ class WorkerPool:
             if w in self.lost:
                 self.pending.pop(w)
                 continue
-            naps = 0
+            began = time.monotonic()
             while not self.store.check([key]):
                 try:
                     self._check(w, 0.0)
@@ -180,8 +178,7 @@ class WorkerPool:
                     self.lost.add(w)
                     self.pending.pop(w, None)
                     break
-                naps += 1
-                time.sleep(nap(naps))
+                time.sleep(nap(time.monotonic() - began))
             else:
                 self._take(w, key)
 

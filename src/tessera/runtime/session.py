@@ -31,9 +31,11 @@ def cache_context(prompt_tokens: int, max_tokens: int) -> int:
     return -(-need // CTX_BUCKET) * CTX_BUCKET
 
 
-def runtime_graphs(model: str, prompt_tokens: int, ctx: int, batch: int = 1) -> dict[str, KernelGraph]:
-    """The prefill (``prompt_tokens`` long) and decode graphs of ``model`` at ``batch`` rows and cache ``ctx``,
-    traced on meta exactly as the planner traces them (so plan files match by graph hash)."""
+def runtime_graphs(model: str, prompt_tokens: int, ctx: int, batch: int = 1,
+                   micro_batches: int = 1) -> dict[str, KernelGraph]:
+    """The prefill (one request of ``prompt_tokens``) and decode (``batch`` / ``micro_batches`` rows) graphs of
+    ``model`` over state instances of batch / micro_batches slots with cache ``ctx``, traced on meta exactly as
+    the planner traces them for a run (so plan files match by graph hash)."""
     from tessera.capture.api import trace_model
     from tessera.capture.models import resolve_model
 
@@ -41,8 +43,12 @@ def runtime_graphs(model: str, prompt_tokens: int, ctx: int, batch: int = 1) -> 
     if spec.family not in TEXT_FAMILIES:
         raise RunSetupError(f"tessera run generates text; {spec.name} is a {spec.family} model (text models: "
                             f"{', '.join(TEXT_FAMILIES)} families)")
-    return {"prefill": trace_model(model, "prefill", batch=batch, seq=prompt_tokens, ctx=ctx),
-            "decode": trace_model(model, "decode", batch=batch, ctx=ctx)}
+    if micro_batches < 1 or batch % micro_batches:
+        raise RunSetupError(f"{micro_batches} micro-batches do not split a batch of {batch} evenly")
+    slots = batch // micro_batches
+    return {"prefill": trace_model(model, "prefill", batch=1, seq=prompt_tokens, ctx=ctx,
+                                   slots=slots if slots > 1 else None),
+            "decode": trace_model(model, "decode", batch=slots, ctx=ctx)}
 
 
 def weight_files(model: str) -> list[str]:
@@ -112,22 +118,35 @@ def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
     return merged
 
 
-def policy_placement(model: str, graphs: dict[str, KernelGraph], workers: int, policy: str, max_tokens: int,
-                     profile=None, device: str | None = None, log: Callable[[str], None] = lambda s: None) -> Placement:
-    """Plan ``policy`` on ``cpu:workers`` for these graphs (one request, the run's shapes)."""
+def runtime_context(model: str, workers: int, prompt_tokens: int, max_tokens: int, ctx: int, batch: int = 1,
+                    micro_batches: int = 1, profile=None, log: Callable[[str], None] = lambda s: None,
+                    image: str | None = None):
+    """The planning context of a run: ``batch`` requests of ``prompt_tokens`` on ``cpu:workers``, every phase
+    traced at the runtime's shapes (cache ``ctx``, ``micro_batches`` decode micro-batches sharing state
+    instances with the prefill), no MoE expert splits."""
     from tessera.hardware.cluster import parse_cluster
     from tessera.plan.context import PlanContext
-    from tessera.plan.planner import plan_policy
     from tessera.workload import parse_workload
+
+    text = f"fixed:in={prompt_tokens},out={max_tokens},requests={batch}"
+    return PlanContext(model, parse_cluster(f"cpu:{workers}"), parse_workload(text), text, max_batch=batch,
+                       profile=profile, cache_ctx=ctx, split_experts=False, micro_batches=micro_batches,
+                       progress=log, image=image)
+
+
+def policy_placement(model: str, graphs: dict[str, KernelGraph], workers: int, policy: str, max_tokens: int,
+                     profile=None, device: str | None = None, log: Callable[[str], None] = lambda s: None,
+                     batch: int = 1, micro_batches: int = 1) -> Placement:
+    """Plan ``policy`` on ``cpu:workers`` for these graphs (``batch`` requests, the run's shapes)."""
+    from tessera.plan.planner import plan_policy
 
     prefill = graphs["prefill"]
     prompt, ctx = prefill.meta["seq"], prefill.meta["ctx"]
-    text = f"fixed:in={prompt},out={max_tokens},requests={prefill.meta['batch']}"
+    if policy == "homogeneous" and device is None:
+        device = "cpu"
 
     def solve(n: int) -> DeploymentPlan:
-        pctx = PlanContext(model, parse_cluster(f"cpu:{n}"), parse_workload(text), text,
-                           max_batch=prefill.meta["batch"], profile=profile, cache_ctx=ctx, split_experts=False,
-                           progress=log)
+        pctx = runtime_context(model, n, prompt, max_tokens, ctx, batch, micro_batches, profile, log)
         return plan_policy(pctx, policy, "throughput", device)
 
     plan = solve(workers)

@@ -27,10 +27,10 @@ from tessera.program.program import Piece, Program, Transfer
 HEARTBEAT_S = 0.2
 
 
-def nap(n: int) -> float:
-    """Seconds to sleep before the n-th look at the store: quick at first, then at most 20 ms (the store's
-    timed waits log a warning on every timeout, so waiting is polling)."""
-    return min(0.0002 * 1.5 ** min(n, 30), 0.02)
+def nap(waited_s: float) -> float:
+    """Seconds to sleep before the next look at the store after waiting ``waited_s``: 2% of the wait so far,
+    between 0.2 and 20 ms (the store's timed waits log a warning on every timeout, so waiting is polling)."""
+    return min(max(0.0002, waited_s / 50), 0.02)
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,7 @@ class Worker:
         self.pg = None
         self.rank = -1  # position in the current process group
         self.weights: dict[str, torch.Tensor] = {}
+        self.source: tuple | None = None  # the weight files (and their mtimes) self.weights came from
         self.phases: dict[str, tuple[KernelGraph, Program, list[Transfer], Any]] = {}
         self.state: list[dict[str, torch.Tensor]] = []  # per micro-batch
         self.timeout = timedelta(seconds=cfg.transfer_timeout_s)
@@ -112,7 +113,10 @@ class Worker:
         from tessera.weights import load_weights
 
         names = sorted({w for ph in phases.values() for w in ph["program"].weights})
-        have = {n: t for n, t in self.weights.items() if n in names}
+        source = None if weights is not None else _files_identity(weights_path)
+        # weights already loaded from the same files are kept (a re-plan after a lost worker); never by name alone
+        have = {n: t for n, t in self.weights.items() if n in names} if source and source == self.source else {}
+        self.source = source
         missing = [n for n in names if n not in have]
         if missing and weights is not None:
             have.update({n: weights[n] for n in missing if n in weights})
@@ -205,7 +209,8 @@ class Worker:
                 work.wait(self.timeout)
                 unpack(ex.instances[ins.microbatch], graph, t.pieces, flat, self.device)
             elif ins.kind == "free":
-                ex.instances[ins.microbatch].pop(ins.buffer, None)
+                ex.select(ins.microbatch)
+                ex.free(ins.buffer)
             if trace:
                 timeline.append((ins.kind, ins.kernel if ins.kind == "run" else ins.transfer, ins.microbatch,
                                  start - t0, time.perf_counter() - t0))
@@ -216,12 +221,19 @@ class Worker:
             ex.select(m)
             outputs.append({name: ex.view(TensorRef.from_json(graph.outputs[name])).cpu().clone()
                             for name in program.outputs})
-        ex.instances = []
+        ex.release()
         return {"outputs": outputs, "seconds": time.perf_counter() - t0, "compute_s": compute,
                 "timeline": timeline, "t0": t0}
 
     def op_stop(self) -> dict[str, Any]:
         return {}
+
+
+def _files_identity(paths: str | list[str] | None) -> tuple | None:
+    if paths is None:
+        return None
+    files = [paths] if isinstance(paths, str) else list(paths)
+    return tuple((f, os.path.getmtime(f)) for f in files)
 
 
 def _heartbeat(cfg: WorkerConfig, store: dist.Store, stop: threading.Event) -> None:
@@ -254,12 +266,13 @@ def worker_main(cfg: WorkerConfig, store: dist.Store | None = None) -> None:
     try:
         while True:
             key = f"cmd/{cfg.worker}/{seq}"
-            naps = 0
+            looked = 0
             while not store.check([key]):
-                naps += 1
-                if naps % 50 == 0 and (not _driver_alive(cfg) or time.monotonic() - idle_since > cfg.idle_timeout_s):
+                looked += 1
+                idle = time.monotonic() - idle_since
+                if looked % 50 == 0 and (not _driver_alive(cfg) or idle > cfg.idle_timeout_s):
                     return
-                time.sleep(nap(naps))
+                time.sleep(nap(idle))
             cmd = pickle.loads(store.get(key))
             store.delete_key(key)
             try:

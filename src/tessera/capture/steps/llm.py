@@ -52,6 +52,14 @@ def kv_of(state: dict[str, torch.Tensor]) -> dict[int, tuple[torch.Tensor, torch
     return out
 
 
+def step_meta(batch: int, seq: int, ctx: int, slots: int | None) -> dict[str, int]:
+    """A text step's shape meta; ``slots`` only when the cache has more rows than the batch."""
+    meta = {"batch": batch, "seq": seq, "ctx": ctx}
+    if slots is not None and slots != batch:
+        meta["slots"] = slots
+    return meta
+
+
 def llm_inputs(phase: str, batch: int, seq: int, device: str | torch.device) -> dict[str, torch.Tensor]:
     """Placeholder inputs of the right shapes (real values are fed by the caller or the engine)."""
     slots = torch.arange(batch, device=device)
@@ -64,15 +72,16 @@ def llm_inputs(phase: str, batch: int, seq: int, device: str | torch.device) -> 
 def llm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, model_name: str, family: str,
              phase: str, batch: int, seq: int, ctx: int, device: str | torch.device = "meta",
              state: dict[str, torch.Tensor] | None = None,
-             inputs: dict[str, torch.Tensor] | None = None) -> Step:
+             inputs: dict[str, torch.Tensor] | None = None, slots: int | None = None) -> Step:
     """A prefill step (``input_ids`` [B,S], ``slots``) or decode step (``input_ids`` [B,1],
-    ``positions`` [B], ``slots`` [B]) of ``model``; outputs the last position's logits [B,1,V]."""
+    ``positions`` [B], ``slots`` [B]) of ``model``; outputs the last position's logits [B,1,V]. The KV cache
+    has ``slots`` rows (default B): a step's rows read and write the rows their ``slots`` name."""
     if phase not in ("prefill", "decode"):
         raise PhaseError(f"phase {phase!r} is not a phase of an LLM (use prefill or decode)")
     config = model.config
     dtype = next(model.parameters()).dtype
     if state is None:
-        state = new_kv_cache(config, batch, ctx, dtype, device)
+        state = new_kv_cache(config, slots or batch, ctx, dtype, device)
     if inputs is None:
         inputs = llm_inputs(phase, batch, seq, device)
 
@@ -86,4 +95,4 @@ def llm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mode
 
     return Step(model=model_name, family=family, phase=phase, modules={"": model}, fn=fn, inputs=inputs,
                 state=state, constant_values=dict(constant_values),
-                meta={"batch": batch, "seq": seq if phase == "prefill" else 1, "ctx": ctx})
+                meta=step_meta(batch, seq if phase == "prefill" else 1, ctx, slots))

@@ -88,18 +88,18 @@ class SlotStateCache:
 def ssm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, model_name: str, phase: str,
              batch: int, seq: int, ctx: int, device: str | torch.device = "meta",
              state: dict[str, torch.Tensor] | None = None,
-             inputs: dict[str, torch.Tensor] | None = None) -> Step:
+             inputs: dict[str, torch.Tensor] | None = None, slots: int | None = None) -> Step:
     """A Mamba2 prefill step (``input_ids`` [B,S], ``slots``) or decode step (``input_ids`` [B,1],
     ``positions`` [B], ``slots``); outputs the last position's logits. State size does not depend on
     the context length; ``ctx`` is kept for the shared bucket grammar."""
-    from tessera.capture.steps.llm import llm_inputs
+    from tessera.capture.steps.llm import llm_inputs, step_meta
 
     if phase not in ("prefill", "decode"):
         raise PhaseError(f"phase {phase!r} is not a phase of an SSM (use prefill or decode)")
     config = model.config
     dtype = next(model.parameters()).dtype
     if state is None:
-        state = new_ssm_state(config, batch, dtype, device)
+        state = new_ssm_state(config, slots or batch, dtype, device)
     if inputs is None:
         inputs = llm_inputs(phase, batch, seq, device)
     mixers = [m for m in model.modules() if type(m).__name__ == "Mamba2Mixer"]
@@ -116,4 +116,4 @@ def ssm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mode
 
     return Step(model=model_name, family="ssm", phase=phase, modules={"": model}, fn=fn, inputs=inputs,
                 state=state, constant_values=dict(constant_values),
-                meta={"batch": batch, "seq": seq if phase == "prefill" else 1, "ctx": ctx})
+                meta=step_meta(batch, seq if phase == "prefill" else 1, ctx, slots))

@@ -279,14 +279,15 @@ def decode_inputs(batch: int, device: str | torch.device) -> dict[str, torch.Ten
 
 def _text_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, model_name: str, phase: str,
                batch: int, seq: int, ctx: int, grid: ImageGrid, image_start: int, device: str | torch.device,
-               state: dict[str, torch.Tensor] | None, inputs: dict[str, torch.Tensor] | None) -> Step:
+               state: dict[str, torch.Tensor] | None, inputs: dict[str, torch.Tensor] | None,
+               slots: int | None = None) -> Step:
     config = model.config
     dtype = next(model.parameters()).dtype
     _, delta = mrope_position_ids(config, grid, seq, image_start)
     if phase == "prefill" and seq > ctx:
         raise ShapeError(f"a prompt of {seq} tokens does not fit in a context of {ctx}")
     if state is None:
-        state = new_kv_cache(config.text_config, batch, ctx, dtype, device)
+        state = new_kv_cache(config.text_config, slots or batch, ctx, dtype, device)
     if inputs is None:
         inputs = (prompt_inputs(config, grid, batch, seq, image_start, device, dtype) if phase == "prefill"
                   else decode_inputs(batch, device))
@@ -311,6 +312,8 @@ def _text_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mo
     meta = {"batch": batch, "seq": seq if phase == "prefill" else 1, "ctx": ctx,
             "image": [grid.width, grid.height], "image_start": image_start, "image_tokens": grid.tokens,
             "prompt": seq, "rope_delta": delta}
+    if slots is not None and slots != batch:
+        meta["slots"] = slots
     return Step(model=model_name, family="vlm", phase=phase, modules={"": model},
                 fn=prefill if phase == "prefill" else decode, inputs=inputs, state=state,
                 constant_values=dict(constant_values), meta=meta)
@@ -319,7 +322,7 @@ def _text_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mo
 def vlm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, model_name: str, phase: str,
              batch: int, seq: int, ctx: int, image: tuple[int, int], device: str | torch.device = "meta",
              inputs: dict[str, torch.Tensor] | None = None, state: dict[str, torch.Tensor] | None = None,
-             image_start: int = 1) -> Step:
+             image_start: int = 1, slots: int | None = None) -> Step:
     """One step of a Qwen2.5-VL model for images of ``image`` = (width, height) pixels.
 
     - ``encode``: the vision tower on ``batch`` images: ``pixel_values`` -> ``image_embeds``.
@@ -330,7 +333,7 @@ def vlm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mode
       ``cache_positions`` [B], ``slots`` [B] -> ``logits`` [B,1,V].
 
     ``seq`` is the prompt length of the prefill the decode follows (it fixes the rope delta in
-    ``meta``); ``ctx`` is the cache length per slot.
+    ``meta``); ``ctx`` is the cache length per slot; the cache has ``slots`` rows (default B).
     """
     if phase not in VLM_PHASES:
         raise PhaseError(f"phase {phase!r} is not a phase of a vision-language model "
@@ -340,4 +343,5 @@ def vlm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mode
                            device=device, inputs=inputs)
     grid = image_grid(model.config.vision_config, image)
     return _text_step(model, constant_values, model_name=model_name, phase=phase, batch=batch, seq=seq,
-                      ctx=ctx, grid=grid, image_start=image_start, device=device, state=state, inputs=inputs)
+                      ctx=ctx, grid=grid, image_start=image_start, device=device, state=state, inputs=inputs,
+                      slots=slots)
