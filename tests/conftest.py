@@ -20,3 +20,12 @@ def smollm2_path():
     from tessera.capture.models import smollm2_dir
 
     return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def pool():
+    """Three runtime worker processes (1 thread each), shared by every runtime test that kills none of them."""
+    from tessera.runtime.pool import WorkerPool
+
+    with WorkerPool.local(3, threads=1) as workers:
+        yield workers

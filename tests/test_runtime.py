@@ -1,6 +1,6 @@
 """The distributed runtime: every family and placement gives outputs and state `torch.equal` to eager.
 
-One persistent pool of 3 worker processes (1 thread each) serves every case. A case plans a policy (or
+One persistent pool of 3 worker processes (1 thread each, the ``pool`` fixture of conftest) serves every case. A case plans a policy (or
 draws a synthetic placement) at the runtime's shapes (2 requests, M = 2 decode micro-batches, one state
 instance per micro-batch), runs a scenario of steps on the workers and compares each micro-batch's outputs
 with the model's eager step at the same micro-batch shapes and thread count. Text families generate
@@ -36,12 +36,6 @@ BATCH, M, PROMPT, CTX, DECODES = 2, 2, 6, 16, 3
 VLM_PROMPT, VLM_CTX, VLM_IMAGE = 20, 32, "112x84"
 DIFFUSION_WORKLOAD = "images:steps=2,resolution=64x48"
 FAMILIES = ("llm", "moe", "ssm", "vlm", "diffusion")
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with WorkerPool.local(3, threads=1) as p:
-        yield p
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +219,7 @@ def references(model_dirs):
     return get
 
 
-def _check_case(pool, model_dirs, references, family: str, workers: int, how: str, seed: int = 0):
+def _check_case(pool: WorkerPool, model_dirs, references, family: str, workers: int, how: str, seed: int = 0):
     model = model_dirs[family]
     steps, weights, expected, tokens, state = references(family)
     setup = _setup(model, family, workers, how, seed)

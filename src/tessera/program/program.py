@@ -173,7 +173,7 @@ def build_programs(graph: KernelGraph, placement: list[int], devices: list[str],
         accesses[a.kernel].append(a)
 
     held: dict[str, dict[int, Ranges]] = defaultdict(dict)  # buffer -> device -> bytes it holds
-    updated: dict[tuple[str, int], int] = {}  # (buffer, device) -> kernel after which it last changed there
+    updated: dict[tuple[str, int], list[tuple[Ranges, int]]] = defaultdict(list)  # bytes that changed after kernel
     uses: dict[int, dict[str, int]] = defaultdict(dict)  # device -> buffer -> last event position
     weights: list[set[str]] = [set() for _ in range(n)]
     inputs: list[set[str]] = [set() for _ in range(n)]
@@ -201,7 +201,7 @@ def build_programs(graph: KernelGraph, placement: list[int], devices: list[str],
             got = parts[0]
             for p in parts[1:]:
                 got = got | p
-            after = updated.get((name, s), -1)
+            after = max((k for r, k in updated[(name, s)] if r & got), default=-1)
             key = (d, consumer)
             merged = next((i for i in recvs_before[key] if pending[i][0] == s), None)
             if merged is None:
@@ -212,7 +212,7 @@ def build_programs(graph: KernelGraph, placement: list[int], devices: list[str],
                 src, dst, aft, pieces = pending[merged]
                 pending[merged] = (src, dst, max(aft, after), [*pieces, Piece(name, got.spans)])
             held[name][d] = held[name].get(d, Ranges()) | got
-            updated[(name, d)] = max(updated.get((name, d), -1), consumer)  # forwarded only after it arrived
+            updated[(name, d)].append((got, consumer))  # forwarded only after it arrived
 
     for k in range(nk):
         d = placement[k]
@@ -238,7 +238,7 @@ def build_programs(graph: KernelGraph, placement: list[int], devices: list[str],
                 if s != d:
                     held[a.buffer][s] = held[a.buffer][s] - wrote
             held[a.buffer][d] = held[a.buffer].get(d, Ranges()) | wrote
-            updated[(a.buffer, d)] = k
+            updated[(a.buffer, d)].append((wrote, k))
         for name in kernel_buffers(graph, k):
             if kinds[name] not in STATIC_KINDS:
                 uses[d][name] = k

@@ -119,8 +119,12 @@ class WorkerPool:
             self.lost.add(w)
             raise WorkerLost(w, self.devices[w], f"no heartbeat for {time.time() - beat:.1f} s", waited)
 
-    def send(self, w: int, cmd: dict[str, Any]) -> None:
-        self.store.set(f"cmd/{w}/{self.seq[w]}", pickle.dumps(cmd))
+    def send(self, w: int, cmd: dict[str, Any]) -> str:
+        """Queue ``cmd`` for worker ``w``; returns the key its reply will have."""
+        n = self.seq[w]
+        self.seq[w] += 1
+        self.store.set(f"cmd/{w}/{n}", pickle.dumps(cmd))
+        return f"reply/{w}/{n}"
 
     def call(self, cmds: dict[int, dict[str, Any]], timeout_s: float) -> dict[int, dict[str, Any]]:
         """Send each worker its command and wait for all replies; a worker error raises WorkerFailed after
@@ -128,8 +132,7 @@ class WorkerPool:
         for w, cmd in cmds.items():
             if w in self.lost:
                 raise WorkerLost(w, self.devices[w], "lost earlier", 0.0)
-            self.send(w, cmd)
-            self.pending[w] = f"reply/{w}/{self.seq[w]}"
+            self.pending[w] = self.send(w, cmd)
         waiting = {w: self.pending[w] for w in cmds}
         replies: dict[int, dict[str, Any]] = {}
         start = time.monotonic()
@@ -155,7 +158,6 @@ class WorkerPool:
     def _take(self, w: int, key: str) -> dict[str, Any]:
         reply = pickle.loads(self.store.get(key))
         self.store.delete_key(key)
-        self.seq[w] += 1
         self.pending.pop(w, None)
         return reply
 

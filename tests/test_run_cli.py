@@ -1,0 +1,89 @@
+"""`tessera run`: text on stdout (identical to a single-process run), plan files checked, clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from tessera.cli import app
+
+PROMPT = "The capital of France is"
+ENTRY = "from tessera.cli import main; main()"
+
+
+def _tessera(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", ENTRY, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def prompt_tokens(smollm2_path) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(str(smollm2_path))(PROMPT).input_ids)
+
+
+def test_run_prints_only_the_text_and_matches_single_process():
+    result = _tessera("run", "smollm2-135m", "--cluster", "cpu:2", "--prompt", PROMPT, "--max-tokens", "4",
+                      "--placement", "alternate", "--check")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(" Paris") and result.stdout.endswith("\n")
+    assert not any(word in result.stdout for word in ("tracing", "placement", "workers", "tokens", "check"))
+    assert "check: the 4 tokens are identical to a single-process eager run" in result.stderr
+    assert "placement: alternate placement" in result.stderr and "transfers" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory, prompt_tokens):
+    """A layer-pipeline plan for cpu:2 at the run's shapes (prompt, 4 new tokens, cache 64)."""
+    path = tmp_path_factory.mktemp("plans") / "plan.json"
+    result = CliRunner().invoke(app, ["plan", "smollm2-135m", "--cluster", "cpu:2", "--workload",
+                                      f"fixed:in={prompt_tokens},out=4,requests=1", "--max-batch", "1", "--ctx",
+                                      "64", "--policy", "layer-pipeline", "-o", str(path)])
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def test_run_follows_a_plan_file(plan_file):
+    result = _tessera("run", "smollm2-135m", "--cluster", "cpu:2", "--prompt", PROMPT, "--max-tokens", "4",
+                      "--plan", str(plan_file), "--check")
+    assert result.returncode == 0, result.stderr
+    assert "layer-pipeline plan from" in result.stderr
+    assert result.stdout.startswith(" Paris")
+
+
+def _run_error(*args: str) -> str:
+    result = CliRunner().invoke(app, ["run", "smollm2-135m", *args])
+    assert result.exit_code == 2, result.output
+    return " ".join(result.output.split())
+
+
+def test_plan_for_another_graph_is_refused(plan_file):
+    out = _run_error("--cluster", "cpu:2", "--prompt", PROMPT + " a city", "--max-tokens", "4", "--plan", str(plan_file))
+    assert "prefill step was made for graph" in out and "plan again for it" in out
+
+
+def test_cluster_smaller_than_the_plan_is_refused(plan_file):
+    out = _run_error("--cluster", "cpu:1", "--prompt", PROMPT, "--max-tokens", "4", "--plan", str(plan_file))
+    assert "places kernels on 2 devices" in out and "the cluster has 1 workers" in out
+
+
+def test_unavailable_backend_and_bad_options_are_clear_errors():
+    assert "backend nccl needs CUDA GPUs" in _run_error("--prompt", "hi", "--placement", "alternate", "--backend",
+                                                        "nccl")
+    assert "unknown backend 'mpi'" in _run_error("--prompt", "hi", "--placement", "alternate", "--backend", "mpi")
+    assert "at most one of --plan, --policy and --placement" in _run_error("--prompt", "hi", "--policy", "tessera",
+                                                                          "--placement", "random")
+    assert "--placement must be one of alternate, random" in _run_error("--prompt", "hi", "--placement", "zigzag")
+    assert "--max-tokens must be at least 1" in _run_error("--prompt", "hi", "--max-tokens", "0")
+    assert "--top-p must be in (0, 1]" in _run_error("--prompt", "hi", "--top-p", "0")
+    assert "has GPUs, which are planned and simulated" in _run_error("--prompt", "hi", "--cluster", "A100:1")
+    out = _run_error("--prompt", "hi", "--plan", "/nonexistent/plan.json")
+    assert "/nonexistent/plan.json" in out
+
+
+def test_models_without_weights_or_text_are_refused():
+    result = CliRunner().invoke(app, ["run", "llama-3.1-8b", "--prompt", "hi"])
+    assert result.exit_code == 2 and "has no weights here" in " ".join(result.output.split())
