@@ -87,3 +87,13 @@ def test_unavailable_backend_and_bad_options_are_clear_errors():
 def test_models_without_weights_or_text_are_refused():
     result = CliRunner().invoke(app, ["run", "llama-3.1-8b", "--prompt", "hi"])
     assert result.exit_code == 2 and "has no weights here" in " ".join(result.output.split())
+
+
+def test_torchrun_rank_zero_drives_and_the_others_work():
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
+    result = subprocess.run([*torchrun, "-m", "tessera", "run", "smollm2-135m", "--cluster", "cpu:2", "--prompt",
+                             PROMPT, "--max-tokens", "3", "--placement", "random", "--threads", "1"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(" Paris")
+    assert "3 tokens in" in result.stderr and "on 2 workers" in result.stderr
