@@ -101,22 +101,28 @@ class DistributedRunner:
         self.pool.epoch += 1  # a fresh process group each time (never reused: its store keys are spent)
         self.pool.call({w: {"op": "connect", "epoch": self.pool.epoch, "members": members} for w in members},
                        self.step_timeout_s)
+        self.holder = {ph: sp.state_holder() for ph, sp in self.programs.items()}
         loads = {}
         for rank, w in enumerate(members):
             phases = {ph: {"graph": self.graphs[ph], "program": sp.programs[rank], "transfers": sp.transfers}
                       for ph, sp in self.programs.items()}
+            weights = None
+            if self.weights is not None:  # only what this worker's kernels read travels to it
+                names = {n for sp in self.programs.values() for n in sp.programs[rank].weights}
+                names |= {a for g in self.graphs.values() for n in names if n in g.buffers for a in g.buffers[n].aliases}
+                weights = {n: t for n, t in self.weights.items() if n in names}
             loads[w] = {"op": "load", "phases": phases, "weights_path": self.weights_path,
-                        "weights": self.weights, "state_instances": self.state_instances}
+                        "weights": weights, "state_instances": self.state_instances}
         self.loaded = self.pool.call(loads, self.step_timeout_s)
         # state rows -> the rank holding their latest value (-1: every holder has the same value)
         self.owner: dict[tuple[str, int], list[int]] = {}
 
-    def _holders(self, name: str) -> list[int]:
-        return sorted({sp.state_holder()[name] for sp in self.programs.values() if name in sp.state_holder()})
+    def _buffer(self, name: str):
+        return next(g.buffers[name] for g in self.graphs.values() if name in g.buffers)
 
     def _rows(self, name: str) -> int:
-        g = next(g for g in self.graphs.values() if name in g.buffers)
-        return max(1, g.buffers[name].shape[0]) if g.buffers[name].shape else 1
+        shape = self._buffer(name).shape
+        return max(1, shape[0]) if shape else 1
 
     def _owner(self, name: str, inst: int) -> list[int]:
         return self.owner.setdefault((name, inst), [-1] * self._rows(name))
@@ -155,12 +161,11 @@ class DistributedRunner:
 
     def _moves_for(self, phase: str, instances: list[int]) -> None:
         """Move state rows the phase needs from the worker that wrote them last (explicit, exact rows)."""
-        holder = self.programs[phase].state_holder()
+        holder = self.holder[phase]
         moves: dict[int, list[dict[str, Any]]] = {}
         tag = 0
         for name, dst in sorted(holder.items()):
-            nbytes = next(g for g in self.graphs.values() if name in g.buffers).buffers[name].nbytes
-            row_bytes = nbytes // self._rows(name)
+            row_bytes = self._buffer(name).nbytes // self._rows(name)
             for inst in instances:
                 owner = self._owner(name, inst)
                 for src in sorted({o for o in owner if o >= 0 and o != dst}):
@@ -231,9 +236,8 @@ class DistributedRunner:
         for r in replies.values():
             for i, o in enumerate(r["outputs"]):
                 outs[i].update(o)
-        for name in self.graphs[phase].state:
-            if name in sp.state_holder():
-                rank = sp.state_holder()[name]
+        for name, rank in self.holder[phase].items():
+            if name in self.graphs[phase].buffers:
                 rows = _touched_rows(self.graphs[phase], chunks, self._rows(name))
                 for inst, rws in zip(instances, rows, strict=True):
                     owner = self._owner(name, inst)

@@ -98,7 +98,10 @@ class Executor:
                 self._tensor(slot).copy_(value)
             return  # else written in place
         st = value.untyped_storage()
-        if st.nbytes() == slot.nbytes and value.storage_offset() == slot.offset and value.stride() == slot.strides:
+        if slot.recorded_layout is None:  # the same op on the same layouts returns the same layout every time
+            slot.recorded_layout = (st.nbytes() == slot.nbytes and value.storage_offset() == slot.offset
+                                    and value.stride() == slot.strides)
+        if slot.recorded_layout:
             self.storages[slot.buffer] = st
             self._views.setdefault(slot.buffer, {})[slot.key] = (st, value)
             return
@@ -170,18 +173,21 @@ class Executor:
         times); its result is not bound, see :meth:`run_kernel`.
         """
         call = self._compiled(index)
-        call.fill(self._tensor)
+        call.fill(self.storages, self._views, self._tensor)
         return call.func, list(call.args), dict(call.kwargs)
 
     def run_kernel(self, index: int) -> None:
         """Run kernel ``index`` once on the current storages and bind the buffers it produces."""
-        call = self._compiled(index)
-        call.fill(self._tensor)
-        with torch.no_grad():
-            try:
+        call = self._calls.get(index) or self._compiled(index)
+        call.fill(self.storages, self._views, self._tensor)
+        try:
+            if torch.is_grad_enabled():
+                with torch.no_grad():
+                    out = call.func(*call.args, **call.kwargs)
+            else:
                 out = call.func(*call.args, **call.kwargs)
-            except Exception as e:
-                raise ExecutionError(f"kernel {self.graph.kernels[index].id} failed: {e}") from e
+        except Exception as e:
+            raise ExecutionError(f"kernel {self.graph.kernels[index].id} failed: {e}") from e
         if isinstance(out, torch.Tensor):
             if call.outs and call.outs[0] is not None:
                 self._bind_output(call.outs[0], out)
@@ -205,20 +211,21 @@ class Executor:
         if self.program.micro_batches != 1:
             raise ExecutionError("a program of several micro-batches needs the distributed runtime")
         self.prepare(inputs, state)
-        for ins in self.program.instructions:
-            if ins.kind == "run":
-                self.run_kernel(ins.kernel)
-            elif ins.kind == "free":
-                self.free(ins.buffer)
-            else:
-                raise ExecutionError(f"instruction {ins.kind} needs the distributed runtime")
+        with torch.no_grad():
+            for ins in self.program.instructions:
+                if ins.kind == "run":
+                    self.run_kernel(ins.kernel)
+                elif ins.kind == "free":
+                    self.free(ins.buffer)
+                else:
+                    raise ExecutionError(f"instruction {ins.kind} needs the distributed runtime")
         return self.outputs()
 
 
 class _Slot:
     """A tensor argument: a strided view of a buffer, with what binding it needs precomputed."""
 
-    __slots__ = ("buffer", "dtype", "offset", "sizes", "strides", "key", "nbytes")
+    __slots__ = ("buffer", "dtype", "offset", "sizes", "strides", "key", "nbytes", "recorded_layout")
 
     def __init__(self, ref: TensorRef, nbytes: int = 0):
         self.buffer = ref.buffer
@@ -228,6 +235,7 @@ class _Slot:
         self.strides = tuple(ref.strides)
         self.key = (ref.buffer, ref.dtype, self.offset, self.sizes, self.strides)
         self.nbytes = nbytes
+        self.recorded_layout: bool | None = None  # outputs: does the op return the traced layout?
 
     @classmethod
     def of(cls, ref: TensorRef) -> _Slot:
@@ -268,7 +276,14 @@ class _Call:
             outs.append(_Slot(r, graph.buffers[r.buffer].nbytes))
         return cls(func, args, kwargs, holes, outs)
 
-    def fill(self, tensor) -> None:
-        """Put the current tensor of every slot into the argument containers."""
+    def fill(self, storages: dict, views: dict, make) -> None:
+        """Put the current tensor of every slot into the argument containers (cached views where their
+        storage is still the buffer's, else ``make(slot)``)."""
         for container, key, slot in self.holes:
-            container[key] = tensor(slot)
+            cached = views.get(slot.buffer)
+            if cached is not None:
+                hit = cached.get(slot.key)
+                if hit is not None and hit[0] is storages.get(slot.buffer):
+                    container[key] = hit[1]
+                    continue
+            container[key] = make(slot)

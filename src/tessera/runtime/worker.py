@@ -191,6 +191,7 @@ class Worker:
                 posted[i] = (self.pg.recv([flat], t.src, t.tag), flat)
         sends = []
         compute = 0.0
+        torch.set_grad_enabled(False)  # a worker never needs autograd
         for ins in program.instructions:
             start = time.perf_counter()
             if ins.kind == "run":
