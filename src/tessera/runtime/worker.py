@@ -84,7 +84,7 @@ class Worker:
         self.rank = -1  # position in the current process group
         self.weights: dict[str, torch.Tensor] = {}
         self.source: tuple | None = None  # the weight files (and their mtimes) self.weights came from
-        self.phases: dict[str, tuple[KernelGraph, Program, list[Transfer], Any]] = {}
+        self.phases: dict[str, tuple[KernelGraph, Program, list[Transfer], Any, list]] = {}
         self.state: list[dict[str, torch.Tensor]] = []  # per micro-batch
         self.timeout = timedelta(seconds=cfg.transfer_timeout_s)
 
@@ -132,7 +132,7 @@ class Worker:
         for name, ph in phases.items():
             graph, program = ph["graph"], ph["program"]
             ex = Executor(graph, program, self.weights, self.device)
-            self.phases[name] = (graph, program, ph["transfers"], ex)
+            self.phases[name] = (graph, program, ph["transfers"], ex, _opcodes(program))
             for s in program.state:
                 b = graph.buffers[s]
                 shapes.setdefault(s, (b.dtype, tuple(b.shape)))
@@ -180,7 +180,7 @@ class Worker:
                 trace: bool = False) -> dict[str, Any]:
         """Run ``phase``'s program, micro-batch m on state instance ``state_instances[m]``; return the step
         outputs this device holds."""
-        graph, program, transfers, ex = self.phases[phase]
+        graph, program, transfers, ex, opcodes = self.phases[phase]
         t0 = time.perf_counter()
         timeline: list[tuple] = []
         ex.prepare_microbatches(inputs, [self.state[i] for i in state_instances], program.inputs, program.state)
@@ -192,29 +192,30 @@ class Worker:
         sends = []
         compute = 0.0
         torch.set_grad_enabled(False)  # a worker never needs autograd
-        for ins in program.instructions:
-            start = time.perf_counter()
-            if ins.kind == "run":
-                ex.select(ins.microbatch)
-                ex.run_kernel(ins.kernel)
-                if self.device.type == "cuda" and trace:
+        sync = self.device.type == "cuda" and trace
+        clock = time.perf_counter
+        current = -1
+        for code, arg, m in opcodes:
+            if m != current:
+                ex.select(m)
+                current = m
+            start = clock()
+            if code == _RUN:
+                ex.run_kernel(arg)
+                if sync:
                     torch.cuda.synchronize(self.device)
-                compute += time.perf_counter() - start
-            elif ins.kind == "send":
-                t = transfers[ins.transfer]
-                flat = pack(ex.instances[ins.microbatch], t.pieces)
-                sends.append(self.pg.send([flat], t.dst, t.tag))
-            elif ins.kind == "recv":
-                t = transfers[ins.transfer]
-                work, flat = posted.pop(ins.transfer)
+                compute += clock() - start
+            elif code == _FREE:
+                ex.free(arg)
+            elif code == _SEND:
+                t = transfers[arg]
+                sends.append(self.pg.send([pack(ex.storages, t.pieces)], t.dst, t.tag))
+            else:
+                work, flat = posted.pop(arg)
                 work.wait(self.timeout)
-                unpack(ex.instances[ins.microbatch], graph, t.pieces, flat, self.device)
-            elif ins.kind == "free":
-                ex.select(ins.microbatch)
-                ex.free(ins.buffer)
+                unpack(ex.storages, graph, transfers[arg].pieces, flat, self.device)
             if trace:
-                timeline.append((ins.kind, ins.kernel if ins.kind == "run" else ins.transfer, ins.microbatch,
-                                 start - t0, time.perf_counter() - t0))
+                timeline.append((_KINDS[code], arg, m, start - t0, clock() - t0))
         for work in sends:
             work.wait(self.timeout)
         outputs = []
@@ -228,6 +229,17 @@ class Worker:
 
     def op_stop(self) -> dict[str, Any]:
         return {}
+
+
+_RUN, _FREE, _SEND, _RECV = range(4)
+_KINDS = ("run", "free", "send", "recv")
+
+
+def _opcodes(program: Program) -> list[tuple[int, Any, int]]:
+    """The program as (opcode, kernel / buffer / transfer, micro-batch) tuples (cheap to dispatch)."""
+    code = {k: i for i, k in enumerate(_KINDS)}
+    return [(code[i.kind], i.kernel if i.kind == "run" else i.buffer if i.kind == "free" else i.transfer,
+             i.microbatch) for i in program.instructions]
 
 
 def _files_identity(paths: str | list[str] | None) -> tuple | None:
