@@ -215,7 +215,7 @@ def _has_real_weights(spec) -> bool:
 
 def build_profile_step(model: str, phase: str, *, batch: int | None = None, seq: int | None = None,
                        ctx: int | None = None, image: tuple[int, int] | None = None,
-                       resolution: tuple[int, int] | None = None, device: str = "cpu"):
+                       resolution: tuple[int, int] | None = None, device: str = "cpu", slots: int | None = None):
     """The Step to profile on ``device`` (a torch device string): real weights where Tessera has them
     (smollm2-135m, local directories with safetensors), random weights otherwise."""
     from tessera.capture.models import resolve_model
@@ -226,9 +226,9 @@ def build_profile_step(model: str, phase: str, *, batch: int | None = None, seq:
     check_phase(spec, phase)
     if not _has_real_weights(spec):
         return make_step(model, phase, batch=batch, seq=seq, ctx=ctx, image=image, resolution=resolution,
-                         device=device)
+                         device=device, slots=slots)
     spec, module, values = load_pretrained(model)
-    shape = resolve_shape(spec, module.config, phase, batch, seq, ctx, image, resolution)
+    shape = resolve_shape(spec, module.config, phase, batch, seq, ctx, image, resolution, slots)
     if device != "cpu":
         module.to(device)
     return step_for(spec, module, values, phase, shape, device=device)
@@ -237,8 +237,8 @@ def build_profile_step(model: str, phase: str, *, batch: int | None = None, seq:
 def profile_model(model: str, phase: str, *, batch: int | None = None, seq: int | None = None,
                   ctx: int | None = None, image: tuple[int, int] | None = None,
                   resolution: tuple[int, int] | None = None, device: str = "cpu", threads: int | None = None,
-                  warmup: int = 3, repeats: int = 10,
-                  progress: Progress | None = None) -> tuple[Profile, KernelGraph]:
+                  warmup: int = 3, repeats: int = 10, progress: Progress | None = None,
+                  slots: int | None = None) -> tuple[Profile, KernelGraph]:
     """Build ``model``'s ``phase`` step on ``device``, trace it there and time every kernel.
 
     smollm2-135m and local directories with safetensors run their real weights; other catalog models
@@ -251,7 +251,7 @@ def profile_model(model: str, phase: str, *, batch: int | None = None, seq: int 
     target = resolve_target(device, threads)
     check_counts(warmup, repeats)
     step = build_profile_step(model, phase, batch=batch, seq=seq, ctx=ctx, image=image, resolution=resolution,
-                              device=target.torch_device)
+                              device=target.torch_device, slots=slots)
     with _threads(target):
         graph = trace(step)
     weights, _ = unique_state(step.modules)

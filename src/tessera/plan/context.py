@@ -106,6 +106,7 @@ class PlanContext:
     split_experts: bool = True  # Tessera may split MoE expert GEMMs over targets (the runtime cannot run that yet)
     micro_batches: int | None = None  # the main phase's M, fixed (the runtime's): other phases share its state
     image: str | None = None  # vision-language models: the image size "WxH" (default: the catalog's)
+    single_replica: bool = False  # plans for the runtime: one copy of the model over the cluster, no replicas
 
     def __post_init__(self) -> None:
         self.spec = resolve_model(self.model)
@@ -138,7 +139,7 @@ class PlanContext:
         child = PlanContext(self.model, self.cluster, self.workload, self.workload_text, batch, self.options,
                             self.profile, self.routing_skew, self.price_scenario, self.fold_chunks, self.gap,
                             self.time_limit_s, self.search_time_s, self.progress, self.cache_ctx,
-                            self.split_experts, self.micro_batches, self.image)
+                            self.split_experts, self.micro_batches, self.image, self.single_replica)
         child._graphs, child._problems, child._folded = self._graphs, self._problems, self._folded
         child._solved = self.__dict__.setdefault("_solved", {})
         child._parent = self
@@ -164,6 +165,13 @@ class PlanContext:
     def main_phase(self) -> PhaseSpec:
         """The phase a request repeats most (decode; denoising steps)."""
         return max(self.phases, key=lambda p: p.repeats)
+
+    def replica_counts(self, types: list[str] | None = None) -> list[int]:
+        """Replica counts a plan may use (all that split the selected types evenly; 1 for runtime plans)."""
+        from tessera.plan.targets import replica_counts
+
+        counts = replica_counts(self.cluster, types)
+        return [1] if self.single_replica else counts
 
     def fixed_m(self, phase: PhaseSpec) -> int:
         """M of a phase whose placement is fixed (not searched): the context's M for the micro-batched phase."""

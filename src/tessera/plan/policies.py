@@ -33,7 +33,7 @@ from tessera.plan.evaluate import evaluate
 from tessera.plan.fold import layer_groups, merge
 from tessera.plan.milp import SolverError, solve_placement
 from tessera.plan.problem import PlacementProblem
-from tessera.plan.targets import Target, cluster_targets, replica_counts
+from tessera.plan.targets import Target, cluster_targets
 
 POLICIES = ("homogeneous", "request-dist", "prefill-decode", "attention-ffn", "layer-pipeline", "tessera")
 NOT_APPLICABLE = {
@@ -68,6 +68,8 @@ def applicability(ctx: PlanContext, policy: str) -> str | None:
     types = ctx.cluster.placement_types()
     if policy in ("prefill-decode", "attention-ffn", "layer-pipeline") and len(types) < 2:
         return f"it splits a model over two device types and the cluster has one ({ctx.cluster.describe()})"
+    if policy == "request-dist" and ctx.single_replica:
+        return "the runtime runs one replica of the model; request distribution needs one per device"
     if policy == "request-dist" and len(types) < 2:
         return f"the cluster has one device type: request distribution is the homogeneous plan ({ctx.cluster.describe()})"
     return None
@@ -119,7 +121,7 @@ def homogeneous(ctx: PlanContext, objective: str, device: str | None = None) -> 
     if rid not in types:
         raise PolicyError(f"--device {device}: the cluster has no {rid}; it has {', '.join(types)}")
     plans = []
-    for r in replica_counts(ctx.cluster, [rid]):
+    for r in ctx.replica_counts([rid]):
         rctx = _replica(ctx, r)
         if not rctx.micro_batch_options(rctx.main_phase):  # a fixed M that does not split this replica's batch
             continue
@@ -177,7 +179,7 @@ def request_dist(ctx: PlanContext, objective: str) -> DeploymentPlan:
 def prefill_decode(ctx: PlanContext, objective: str) -> DeploymentPlan:
     """The prompt phases on one target, the repeated phase on another; state copied per request."""
     plans = []
-    for r in replica_counts(ctx.cluster):
+    for r in ctx.replica_counts():
         rctx = _replica(ctx, r)
         main = rctx.main_phase
         if not rctx.micro_batch_options(main):
@@ -316,7 +318,7 @@ def residency_allowed(sp, residency: dict[str, list[int]]) -> np.ndarray:
 def attention_ffn(ctx: PlanContext, objective: str) -> DeploymentPlan:
     """Attention on one target, FFN on another, M >= 2 micro-batches; the rest placed by the solver."""
     plans = []
-    for r in replica_counts(ctx.cluster):
+    for r in ctx.replica_counts():
         rctx = _replica(ctx, r)
         targets = cluster_targets(ctx.cluster, r)
         if r > 1 and not rctx.can_hold(targets):
@@ -394,7 +396,7 @@ def _phase_chain(ctx: PlanContext, targets, m: int, objective: str, blocks: tupl
 def layer_pipeline(outer: PlanContext, objective: str) -> DeploymentPlan:
     """Contiguous layers per target in a device order; every split point and order searched exhaustively."""
     best = None
-    for r in replica_counts(outer.cluster):
+    for r in outer.replica_counts():
         ctx = _replica(outer, r)
         main = ctx.main_phase
         targets = cluster_targets(ctx.cluster, r)
@@ -493,7 +495,7 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
     seeds = [b for b in (baselines or []) if b.applicable and b.feasible and b.policy != "request-dist"]
     began = outer.solve_seconds
     stopped = ""
-    for r in replica_counts(outer.cluster):
+    for r in outer.replica_counts():
         ctx = _replica(outer, r)
         main = ctx.main_phase
         targets = cluster_targets(ctx.cluster, r)

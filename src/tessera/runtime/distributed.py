@@ -54,6 +54,7 @@ class StepTiming:
     worker_seconds: list[float]
     compute_s: list[float]
     timelines: list[list[tuple]] = field(default_factory=list)
+    workers: list[str] = field(default_factory=list)  # the device of each entry (workers with work this step)
 
 
 class DistributedRunner:
@@ -246,7 +247,8 @@ class DistributedRunner:
         order = list(replies)
         self.last_timing = StepTiming(phase, seconds, [replies[w]["seconds"] for w in order],
                                       [replies[w]["compute_s"] for w in order],
-                                      [replies[w]["timeline"] for w in order] if trace else [])
+                                      [replies[w]["timeline"] for w in order] if trace else [],
+                                      [self.pool.devices[w] for w in order])
         return outs
 
     # ------------------------------------------------------------------------------------------------

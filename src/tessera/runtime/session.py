@@ -108,7 +108,8 @@ def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
             log(f"measuring {phase} kernels on this CPU at {threads} thread(s) (cached in {path.parent})")
             m = g.meta
             prof, _ = profile_model(model, phase, batch=m.get("batch"), seq=m.get("seq"), ctx=m.get("ctx"),
-                                    device="cpu", threads=threads, warmup=PROFILE_WARMUP, repeats=PROFILE_REPEATS)
+                                    device="cpu", threads=threads, warmup=PROFILE_WARMUP, repeats=PROFILE_REPEATS,
+                                    slots=m.get("slots"))
             path.parent.mkdir(parents=True, exist_ok=True)
             prof.save(path)
         if merged is None:
@@ -131,7 +132,7 @@ def runtime_context(model: str, workers: int, prompt_tokens: int, max_tokens: in
     text = f"fixed:in={prompt_tokens},out={max_tokens},requests={batch}"
     return PlanContext(model, parse_cluster(f"cpu:{workers}"), parse_workload(text), text, max_batch=batch,
                        profile=profile, cache_ctx=ctx, split_experts=False, micro_batches=micro_batches,
-                       progress=log, image=image)
+                       progress=log, image=image, single_replica=True)
 
 
 def policy_placement(model: str, graphs: dict[str, KernelGraph], workers: int, policy: str, max_tokens: int,
