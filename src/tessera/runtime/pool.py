@@ -8,6 +8,7 @@ import os
 import pickle
 import time
 from datetime import timedelta
+from multiprocessing import connection as mp_connection
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from tessera.runtime.worker import WorkerConfig, nap, worker_main
 BACKENDS = ("gloo", "nccl")
 START_TIMEOUT_S = 120.0
 LOST_AFTER_S = 2.0  # no heartbeat for this long: the worker is lost
+LIVENESS_S = 0.1  # while waiting for replies, look at the workers' liveness this often
 
 
 class RuntimeSetupError(TesseraError):
@@ -60,8 +62,10 @@ def check_backend(backend: str, devices: list[str]) -> None:
 class WorkerPool:
     """Worker processes (one per device) and the store that carries commands and heartbeats."""
 
-    def __init__(self, store: dist.Store, devices: list[str], processes: list[Any] | None, threads: int):
+    def __init__(self, store: dist.Store, devices: list[str], processes: list[Any] | None, threads: int,
+                 pipes: list[Any] | None = None):
         self.store = store
+        self.pipes = pipes  # local workers: commands and replies over pipes; else through the store
         self.devices = list(devices)
         self.processes = processes
         self.threads = threads
@@ -83,14 +87,17 @@ class WorkerPool:
         threads = threads or max(1, (os.cpu_count() or 1) // workers)
         store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60), wait_for_workers=False)
         ctx = mp.get_context("spawn")
-        procs = []
+        procs, pipes = [], []
         for w in range(workers):
             cfg = WorkerConfig(w, "127.0.0.1", store.port, threads, devices[w], transfer_timeout_s,
                                parent_pid=os.getpid())
-            p = ctx.Process(target=worker_main, args=(cfg,), daemon=True, name=f"tessera-worker-{w}")
+            mine, theirs = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=worker_main, args=(cfg, None, theirs), daemon=True, name=f"tessera-worker-{w}")
             p.start()
+            theirs.close()
             procs.append(p)
-        pool = cls(store, [f"{d}:{w}" if d == "cpu" else d for w, d in enumerate(devices)], procs, threads)
+            pipes.append(mine)
+        pool = cls(store, [f"{d}:{w}" if d == "cpu" else d for w, d in enumerate(devices)], procs, threads, pipes)
         pool.call({w: {"op": "ping"} for w in range(workers)}, START_TIMEOUT_S)
         return pool
 
@@ -123,8 +130,21 @@ class WorkerPool:
         """Queue ``cmd`` for worker ``w``; returns the key its reply will have."""
         n = self.seq[w]
         self.seq[w] += 1
-        self.store.set(f"cmd/{w}/{n}", pickle.dumps(cmd))
+        data = pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL)
+        if self.pipes is not None:
+            self.pipes[w].send_bytes(data)
+        else:
+            self.store.set(f"cmd/{w}/{n}", data)
         return f"reply/{w}/{n}"
+
+    def _ready(self, w: int, key: str, timeout_s: float = 0.0) -> bool:
+        """Whether worker ``w``'s reply ``key`` is there (waiting at most ``timeout_s`` on a pipe)."""
+        if self.pipes is not None:
+            try:
+                return self.pipes[w].poll(timeout_s)
+            except (EOFError, OSError):
+                return False
+        return self.store.check([key])
 
     def call(self, cmds: dict[int, dict[str, Any]], timeout_s: float) -> dict[int, dict[str, Any]]:
         """Send each worker its command and wait for all replies; a worker error raises WorkerFailed after
@@ -138,7 +158,14 @@ class WorkerPool:
         start = time.monotonic()
         while waiting:
             w, key = next(iter(waiting.items()))
-            if self.store.check([key]):
+            if self.pipes is not None:
+                ready = mp_connection.wait([self.pipes[v] for v in waiting], timeout=LIVENESS_S)
+                done = [v for v in waiting if self.pipes[v] in ready and self._ready(v, waiting[v])]
+                for v in done:
+                    replies[v] = self._take(v, waiting.pop(v))
+                if done:
+                    continue
+            elif self._ready(w, key):
                 replies[w] = self._take(w, key)
                 del waiting[w]
                 continue
@@ -148,7 +175,8 @@ class WorkerPool:
             if waited > timeout_s:
                 self.lost.add(w)
                 raise WorkerLost(w, self.devices[w], f"no reply to {cmds[w]['op']!r} within {timeout_s:.0f} s", waited)
-            time.sleep(nap(waited))
+            if self.pipes is None:
+                time.sleep(nap(waited))
         failed = [(w, r) for w, r in replies.items() if not r["ok"]]
         if failed:
             w, r = failed[0]
@@ -156,8 +184,21 @@ class WorkerPool:
         return replies
 
     def _take(self, w: int, key: str) -> dict[str, Any]:
-        reply = pickle.loads(self.store.get(key))
-        self.store.delete_key(key)
+        if self.pipes is not None:
+            try:
+                reply = pickle.loads(self.pipes[w].recv_bytes())
+            except (EOFError, OSError):  # the worker's end closed: it died
+                self.pending.pop(w, None)
+                self.lost.add(w)
+                code = None
+                if self.processes is not None:
+                    self.processes[w].join(1.0)
+                    code = self.processes[w].exitcode
+                how = f"process exited with code {code}" if code is not None else "its pipe closed"
+                raise WorkerLost(w, self.devices[w], how, 0.0) from None
+        else:
+            reply = pickle.loads(self.store.get(key))
+            self.store.delete_key(key)
         self.pending.pop(w, None)
         return reply
 
@@ -170,7 +211,7 @@ class WorkerPool:
                 self.pending.pop(w)
                 continue
             began = time.monotonic()
-            while not self.store.check([key]):
+            while not self._ready(w, key, LIVENESS_S):
                 try:
                     self._check(w, 0.0)
                 except WorkerLost:
@@ -180,7 +221,8 @@ class WorkerPool:
                     self.lost.add(w)
                     self.pending.pop(w, None)
                     break
-                time.sleep(nap(time.monotonic() - began))
+                if self.pipes is None:
+                    time.sleep(nap(time.monotonic() - began))
             else:
                 self._take(w, key)
 

@@ -265,35 +265,76 @@ def _driver_alive(cfg: WorkerConfig) -> bool:
         return False
 
 
-def worker_main(cfg: WorkerConfig, store: dist.Store | None = None) -> None:
-    """The worker loop: wait for a command, run it, store the reply; until ``stop`` or the driver is gone.
-    ``store``: the driver's store (torchrun's rendezvous), else a client of ``cfg.host:cfg.port``."""
+class _StoreCommands:
+    """Commands at ``cmd/<worker>/<n>`` of the store, replies at ``reply/<worker>/<n>`` (several hosts)."""
+
+    def __init__(self, store: dist.Store, worker: int):
+        self.store, self.worker, self.seq = store, worker, 0
+
+    def wait(self, timeout_s: float) -> bool:
+        key = f"cmd/{self.worker}/{self.seq}"
+        began = time.monotonic()
+        while not self.store.check([key]):
+            waited = time.monotonic() - began
+            if waited > timeout_s:
+                return False
+            time.sleep(nap(waited))
+        return True
+
+    def receive(self) -> dict[str, Any]:
+        key = f"cmd/{self.worker}/{self.seq}"
+        cmd = pickle.loads(self.store.get(key))
+        self.store.delete_key(key)
+        return cmd
+
+    def reply(self, reply: dict[str, Any]) -> None:
+        self.store.set(f"reply/{self.worker}/{self.seq}", pickle.dumps(reply))
+        self.seq += 1
+
+
+class _PipeCommands:
+    """Commands and replies over a pipe to the driver (local workers: no polling, one copy)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def wait(self, timeout_s: float) -> bool:
+        return self.conn.poll(timeout_s)
+
+    def receive(self) -> dict[str, Any]:
+        return pickle.loads(self.conn.recv_bytes())
+
+    def reply(self, reply: dict[str, Any]) -> None:
+        self.conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def worker_main(cfg: WorkerConfig, store: dist.Store | None = None, conn=None) -> None:
+    """The worker loop: wait for a command, run it, send the reply; until ``stop`` or the driver is gone.
+    ``store``: the driver's store (torchrun's rendezvous), else a client of ``cfg.host:cfg.port``; ``conn``:
+    a pipe to a local driver for commands and replies (else they go through the store)."""
     torch.set_num_threads(cfg.threads)
     if store is None:
         store = dist.TCPStore(cfg.host, cfg.port, None, False, timeout=timedelta(seconds=60))
     stop = threading.Event()
     threading.Thread(target=_heartbeat, args=(cfg, store.clone(), stop), daemon=True).start()
     worker = Worker(cfg, store)
-    seq = 0
+    commands = _PipeCommands(conn) if conn is not None else _StoreCommands(store, cfg.worker)
     idle_since = time.monotonic()
     try:
         while True:
-            key = f"cmd/{cfg.worker}/{seq}"
-            looked = 0
-            while not store.check([key]):
-                looked += 1
-                idle = time.monotonic() - idle_since
-                if looked % 50 == 0 and (not _driver_alive(cfg) or idle > cfg.idle_timeout_s):
+            if not commands.wait(1.0):
+                if not _driver_alive(cfg) or time.monotonic() - idle_since > cfg.idle_timeout_s:
                     return
-                time.sleep(nap(idle))
-            cmd = pickle.loads(store.get(key))
-            store.delete_key(key)
+                continue
+            try:
+                cmd = commands.receive()
+            except (EOFError, OSError):  # the driver closed the pipe
+                return
             try:
                 reply = {"ok": True, **worker.handle(cmd)}
             except Exception as e:  # noqa: BLE001 - every failure goes back to the driver, which decides
                 reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-            store.set(f"reply/{cfg.worker}/{seq}", pickle.dumps(reply))
-            seq += 1
+            commands.reply(reply)
             idle_since = time.monotonic()
             if cmd["op"] == "stop":
                 return
