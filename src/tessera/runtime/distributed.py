@@ -82,6 +82,7 @@ class DistributedRunner:
         self.recoveries: list[Recovery] = []
         self.last_timing: StepTiming | None = None
         self.moved_bytes = 0  # state moved between workers so far (explicit moves)
+        self._row_counts: dict[str, int] = {}
         self._install(placements, pool.alive)
 
     # ------------------------------------------------------------------------------------------------
@@ -122,8 +123,11 @@ class DistributedRunner:
         return next(g.buffers[name] for g in self.graphs.values() if name in g.buffers)
 
     def _rows(self, name: str) -> int:
-        shape = self._buffer(name).shape
-        return max(1, shape[0]) if shape else 1
+        rows = self._row_counts.get(name)
+        if rows is None:
+            shape = self._buffer(name).shape
+            rows = self._row_counts[name] = max(1, shape[0]) if shape else 1
+        return rows
 
     def _owner(self, name: str, inst: int) -> list[int]:
         return self.owner.setdefault((name, inst), [-1] * self._rows(name))
@@ -209,6 +213,8 @@ class DistributedRunner:
         outs: list[dict[str, torch.Tensor]] = []
         for first in range(0, len(chunks), m):
             outs += self.step_chunks(phase, chunks[first: first + m], instances[first: first + m], trace)
+        if len(outs) == 1:
+            return outs[0]
         return {name: torch.cat([o[name] for o in outs]) for name in outs[0]}
 
     def step_chunks(self, phase: str, chunks: list[dict[str, torch.Tensor]], instances: list[int],
@@ -237,10 +243,13 @@ class DistributedRunner:
         for r in replies.values():
             for i, o in enumerate(r["outputs"]):
                 outs[i].update(o)
+        touched: dict[int, list[list[int]]] = {}  # rows of the state -> rows each chunk wrote
         for name, rank in self.holder[phase].items():
             if name in self.graphs[phase].buffers:
-                rows = _touched_rows(self.graphs[phase], chunks, self._rows(name))
-                for inst, rws in zip(instances, rows, strict=True):
+                n = self._rows(name)
+                if n not in touched:
+                    touched[n] = _touched_rows(self.graphs[phase], chunks, n)
+                for inst, rws in zip(instances, touched[n], strict=True):
                     owner = self._owner(name, inst)
                     for r in rws:
                         owner[r] = rank

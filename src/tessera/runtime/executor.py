@@ -86,6 +86,12 @@ class Executor:
             hit = views.get(slot.key)
             if hit is not None and hit[0] is storage:
                 return hit[1]
+            # another view of the same storage and dtype: restriding it is cheaper than a new tensor
+            base = next((t for st, t in views.values() if st is storage and t.dtype == slot.dtype), None)
+            if base is not None:
+                t = base.as_strided(slot.sizes, slot.strides, slot.offset)
+                views[slot.key] = (storage, t)
+                return t
         t = torch.empty(0, dtype=slot.dtype, device=self.device).set_(storage, slot.offset, slot.sizes, slot.strides)
         views[slot.key] = (storage, t)
         return t
@@ -179,19 +185,30 @@ class Executor:
     def run_kernel(self, index: int) -> None:
         """Run kernel ``index`` once on the current storages and bind the buffers it produces."""
         call = self._calls.get(index) or self._compiled(index)
-        call.fill(self.storages, self._views, self._tensor)
+        storages, views = self.storages, self._views
+        for container, key, slot in call.holes:  # the hot path of :meth:`_Call.fill`, inlined
+            cached = views.get(slot.buffer)
+            hit = cached.get(slot.key) if cached is not None else None
+            container[key] = hit[1] if hit is not None and hit[0] is storages.get(slot.buffer) else self._tensor(slot)
         try:
             if torch.is_grad_enabled():
                 with torch.no_grad():
-                    out = call.func(*call.args, **call.kwargs)
+                    out = call.op(*call.args, **call.kwargs)
             else:
-                out = call.func(*call.args, **call.kwargs)
+                out = call.op(*call.args, **call.kwargs)
         except Exception as e:
             raise ExecutionError(f"kernel {self.graph.kernels[index].id} failed: {e}") from e
-        if isinstance(out, torch.Tensor):
-            if call.outs and call.outs[0] is not None:
-                self._bind_output(call.outs[0], out)
+        if type(out) is torch.Tensor:
+            slot = call.out
+            if slot is not None and slot.recorded_layout and slot.buffer not in storages:
+                st = out.untyped_storage()  # the usual case: a new buffer in the traced layout
+                storages[slot.buffer] = st
+                views[slot.buffer] = {slot.key: (st, out)}
+            elif slot is not None:
+                self._bind_output(slot, out)
             return
+        if isinstance(out, torch.Tensor):  # a tensor subclass
+            out = (out,)
         outs = tree_flatten(out)[0] if isinstance(out, (tuple, list)) else []
         for slot, value in zip(call.outs, outs, strict=False):
             if slot is not None and isinstance(value, torch.Tensor):
@@ -247,6 +264,8 @@ class _Call:
 
     def __init__(self, func, args: list, kwargs: dict, holes: list, outs: list[_Slot | None]):
         self.func, self.args, self.kwargs, self.holes, self.outs = func, args, kwargs, holes, outs
+        self.op = getattr(func, "_op", func)  # the OpOverload's C++ callable (one Python frame less)
+        self.out = outs[0] if len(outs) == 1 else None  # single-tensor results: the slot they bind
 
     @classmethod
     def compile(cls, graph: KernelGraph, index: int, device: torch.device) -> _Call:

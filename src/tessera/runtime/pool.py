@@ -72,6 +72,7 @@ class WorkerPool:
         self.seq = [0] * len(devices)
         self.lost: set[int] = set()
         self.epoch = 0  # process groups formed so far
+        self._arenas: dict[str, Any] = {}  # shared-memory output arenas of local workers, by name
         self.pending: dict[int, str] = {}  # worker -> reply key of a command not answered yet
 
     @classmethod
@@ -90,7 +91,7 @@ class WorkerPool:
         procs, pipes = [], []
         for w in range(workers):
             cfg = WorkerConfig(w, "127.0.0.1", store.port, threads, devices[w], transfer_timeout_s,
-                               parent_pid=os.getpid())
+                               parent_pid=os.getpid(), shared_outputs=True)
             mine, theirs = ctx.Pipe(duplex=True)
             p = ctx.Process(target=worker_main, args=(cfg, None, theirs), daemon=True, name=f"tessera-worker-{w}")
             p.start()
@@ -115,9 +116,11 @@ class WorkerPool:
 
     def _check(self, w: int, waited: float) -> None:
         """Raise WorkerLost if worker ``w`` is gone (process dead, or its heartbeat stopped)."""
-        if self.processes is not None and not self.processes[w].is_alive():
-            self.lost.add(w)
-            raise WorkerLost(w, self.devices[w], f"process exited with code {self.processes[w].exitcode}", waited)
+        if self.processes is not None:  # local: the process itself says (heartbeats are for remote workers)
+            if not self.processes[w].is_alive():
+                self.lost.add(w)
+                raise WorkerLost(w, self.devices[w], f"process exited with code {self.processes[w].exitcode}", waited)
+            return
         try:
             beat = float(self.store.get(f"hb/{w}"))
         except Exception:  # noqa: BLE001 - no heartbeat yet
@@ -200,7 +203,27 @@ class WorkerPool:
             reply = pickle.loads(self.store.get(key))
             self.store.delete_key(key)
         self.pending.pop(w, None)
+        for outputs in reply.get("outputs", ()) if isinstance(reply.get("outputs"), list) else ():
+            for name, value in outputs.items():
+                if isinstance(value, tuple) and value[0] == "shared":
+                    outputs[name] = self._read_shared(*value[1:])
         return reply
+
+    def _read_shared(self, arena: str, offset: int, dtype: str, shape: list[int]) -> torch.Tensor:
+        """A copy of a tensor a local worker left in its shared-memory arena."""
+        from multiprocessing import shared_memory
+
+        shm = self._arenas.get(arena)
+        if shm is None:  # the worker created it and unlinks it; attaching registers nothing here
+            shm = shared_memory.SharedMemory(name=arena)
+            self._arenas[arena] = shm
+        dt = getattr(torch, dtype)
+        n = 1
+        for s in shape:
+            n *= s
+        nbytes = n * torch.empty(0, dtype=dt).element_size()
+        raw = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes, offset=offset)
+        return raw.clone().view(dt).view(shape)
 
     def drain(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) for the live workers' unanswered replies and drop them: after a lost
@@ -242,6 +265,9 @@ class WorkerPool:
                 p.join(timeout=5)
                 if p.is_alive():
                     p.kill()
+        for shm in self._arenas.values():
+            shm.close()
+        self._arenas = {}
 
     def __enter__(self) -> WorkerPool:
         return self

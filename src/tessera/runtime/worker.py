@@ -45,6 +45,7 @@ class WorkerConfig:
     transfer_timeout_s: float = 30.0  # one receive or send
     idle_timeout_s: float = 3600.0  # no command for this long: the driver is gone, exit
     parent_pid: int | None = None  # local workers exit when their driver process is gone
+    shared_outputs: bool = False  # step outputs through a shared-memory arena (driver on the same host)
 
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -73,6 +74,45 @@ def unpack(storages: dict[str, torch.UntypedStorage], graph: KernelGraph, pieces
             at += hi - lo
 
 
+class OutputArena:
+    """Step outputs written into shared memory (one region per micro-batch) for a driver on the same host:
+    the reply carries (arena, offset, dtype, shape) instead of the bytes. A region is rewritten only by the
+    next step of its micro-batch, which the driver sends after it has copied the region out."""
+
+    REGION_ALIGN = 64
+
+    def __init__(self):
+        self.shm = None
+        self.region = 0
+
+    def put(self, microbatch: int, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        from multiprocessing import shared_memory
+
+        sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
+        need = sum(-(-s // self.REGION_ALIGN) * self.REGION_ALIGN for s in sizes.values())
+        if self.shm is None or need > self.region or (microbatch + 1) * self.region > self.shm.size:
+            self.region = max(need, self.region)
+            old, self.shm = self.shm, shared_memory.SharedMemory(create=True, size=max(1, 8 * self.region))
+            if old is not None:
+                old.close()
+                old.unlink()
+        buf = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
+        at = microbatch * self.region
+        refs = {}
+        for name, t in tensors.items():
+            flat = t.detach().contiguous().view(-1).view(torch.uint8)
+            buf[at: at + flat.numel()].copy_(flat.cpu())
+            refs[name] = ("shared", self.shm.name, at, str(t.dtype).removeprefix("torch."), list(t.shape))
+            at += -(-sizes[name] // self.REGION_ALIGN) * self.REGION_ALIGN
+        return refs
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm.unlink()
+            self.shm = None
+
+
 class Worker:
     """The state of one worker process between commands."""
 
@@ -87,6 +127,7 @@ class Worker:
         self.phases: dict[str, tuple[KernelGraph, Program, list[Transfer], Any, list]] = {}
         self.state: list[dict[str, torch.Tensor]] = []  # per micro-batch
         self.timeout = timedelta(seconds=cfg.transfer_timeout_s)
+        self.arena = OutputArena() if cfg.shared_outputs else None
 
     # ------------------------------------------------------------------------------------------------
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -221,8 +262,9 @@ class Worker:
         outputs = []
         for m in range(program.micro_batches):
             ex.select(m)
-            outputs.append({name: ex.view(TensorRef.from_json(graph.outputs[name])).cpu().clone()
-                            for name in program.outputs})
+            views = {name: ex.view(TensorRef.from_json(graph.outputs[name])) for name in program.outputs}
+            outputs.append(self.arena.put(m, views) if self.arena is not None else
+                           {name: v.cpu().clone() for name, v in views.items()})
         ex.release()
         return {"outputs": outputs, "seconds": time.perf_counter() - t0, "compute_s": compute,
                 "timeline": timeline, "t0": t0}
@@ -340,3 +382,5 @@ def worker_main(cfg: WorkerConfig, store: dist.Store | None = None, conn=None) -
                 return
     finally:
         stop.set()
+        if worker.arena is not None:
+            worker.arena.close()
