@@ -156,3 +156,37 @@ def test_replan_finishes_on_the_survivors_with_identical_output(fresh_pool, grap
     rec = runner.recoveries[0]
     assert rec.device == "cpu:1" and rec.survivors == ["cpu:0", "cpu:2"] and rec.replayed_steps >= 3
     assert runner.members == [0, 2] and max(max(p) for p in runner.placements.values()) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Steps streamed through the pipeline (no fill and drain per step)
+
+
+@pytest.mark.parametrize("how", ["layer-pipeline", "alternate"])
+def test_streamed_decode_equals_eager(pool, graphs, smollm2_reference, how):
+    placed = _placement(graphs, 2, how)
+    runner = DistributedRunner(pool, graphs, placed.placements, placed.micro_batches,
+                               weights_path=weight_files(MODEL), state_instances=M)
+    n, s = len(PROMPTS), len(PROMPTS[0])
+    first_logits = runner.step("prefill", {"input_ids": torch.tensor(PROMPTS),
+                                           "slots": torch.zeros(n, dtype=torch.long)})["logits"]
+    tokens = [[int(first_logits[r, -1].argmax())] for r in range(n)]
+    zero = torch.zeros(1, dtype=torch.long)
+
+    def inputs(m: int, t: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.tensor([[tokens[m][-1]]]), "positions": torch.tensor([s + t]), "slots": zero}
+
+    def feed(m: int, i: int, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        tokens[m].append(int(out["logits"][0, -1].argmax()))
+        return inputs(m, i + 1)
+
+    results = runner.stream("decode", [inputs(m, 0) for m in range(M)], NEW - 1, feed)
+    for m in range(M):  # the last step's token (no step follows it)
+        tokens[m].append(int(results[m][-1]["logits"][0, -1].argmax()))
+    want_tokens, want_logits = smollm2_reference
+    assert tokens == want_tokens
+    for t in range(NEW - 1):
+        got = torch.cat([results[m][t]["logits"] for m in range(M)])
+        assert torch.equal(got, want_logits[t + 1])
+    busy = runner.last_timing.compute_s  # per pool worker: the two the placement uses did the work
+    assert busy[0] > 0 and busy[1] > 0 and sum(busy[2:]) == 0

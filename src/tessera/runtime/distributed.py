@@ -261,6 +261,74 @@ class DistributedRunner:
         return outs
 
     # ------------------------------------------------------------------------------------------------
+    def stream(self, phase: str, first: list[dict[str, torch.Tensor]], steps: int,
+               feed: Callable[[int, int, dict[str, torch.Tensor]], dict[str, torch.Tensor] | None],
+               instances: list[int] | None = None, trace: bool = False) -> list[list[dict[str, torch.Tensor]]]:
+        """Steps of ``phase`` pipelined across steps: micro-batch m starts with inputs ``first[m]`` on state
+        instance ``instances[m]``; as soon as its step i is back, ``feed(m, i, outputs)`` gives its inputs for
+        step i+1 (None: m stops), queued on the workers at once, so the first stage starts m's next step while
+        the later stages finish other micro-batches (no fill and drain per step). At most ``steps`` steps per
+        micro-batch; returns each micro-batch's outputs per step. Lost workers are not re-planned here."""
+        if phase not in self.graphs:
+            raise RuntimeInputError(f"no graph for phase {phase!r}; phases: {', '.join(sorted(self.graphs))}")
+        count = self.micro_batches[phase]
+        instances = list(range(count)) if instances is None else list(instances)
+        if len(first) != count or len(instances) != count:
+            raise RuntimeInputError(f"{phase} streams {count} micro-batches: got {len(first)} inputs and "
+                                    f"{len(instances)} state instances")
+        if self.on_failure == "replan":
+            raise RuntimeInputError("streamed steps cannot be replayed after a lost worker yet; use step() with "
+                                    "on_failure='replan'")
+        sp = self.programs[phase]
+        self._moves_for(phase, instances)
+        workers = {m: [(rank, w) for rank, w in enumerate(self.members)
+                       if any(i.microbatch == m for i in sp.programs[rank].instructions)] for m in range(count)}
+        waiting: dict[tuple[int, int], set[int]] = {}
+        gathered: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        results: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(count)]
+        busy = dict.fromkeys(self.members, 0.0)
+        self.stream_timelines: list[tuple[int, tuple[int, int], float, list[tuple]]] = []
+
+        def submit(m: int, inputs: dict[str, torch.Tensor], i: int) -> None:
+            for rank, w in workers[m]:
+                names = sp.programs[rank].inputs
+                self.pool.submit(w, {"op": "job", "phase": phase, "microbatch": m, "job": (m, i), "trace": trace,
+                                     "inputs": {n: inputs[n] for n in names}, "state_instance": instances[m]})
+            waiting[(m, i)] = {w for _, w in workers[m]}
+
+        t0 = time.perf_counter()
+        for m in range(count):
+            submit(m, first[m], 0)
+        while waiting:
+            w, reply = self.pool.next_reply(self.members, self.step_timeout_s)
+            key = tuple(reply["job"])
+            gathered.setdefault(key, {}).update(reply["outputs"][0])
+            busy[w] += reply["compute_s"]
+            if trace:
+                self.stream_timelines.append((w, key, reply["t0"], reply["timeline"]))
+            waiting[key].discard(w)
+            if waiting[key]:
+                continue
+            del waiting[key]
+            m, i = key
+            out = gathered.pop(key)
+            results[m].append(out)
+            nxt = feed(m, i, out) if i + 1 < steps else None
+            if nxt is not None:
+                submit(m, nxt, i + 1)
+        seconds = time.perf_counter() - t0
+        for name, rank in self.holder[phase].items():
+            if name in self.graphs[phase].buffers:
+                for inst, rows in zip(instances, _touched_rows(self.graphs[phase], first, self._rows(name)),
+                                      strict=True):
+                    owner = self._owner(name, inst)
+                    for r in rows:
+                        owner[r] = rank
+        self.last_timing = StepTiming(phase, seconds, [], [busy[w] for w in self.members], [],
+                                      [self.pool.devices[w] for w in self.members])
+        return results
+
+    # ------------------------------------------------------------------------------------------------
     def _record(self, entry: tuple) -> None:
         if not getattr(self, "_replaying", False):
             self.history.append(entry)

@@ -46,6 +46,7 @@ class Executor:
         self.storages: dict[str, torch.UntypedStorage] = {}
         self._static: dict[str, torch.UntypedStorage] = {}
         self._calls: dict[int, _Call] = {}
+        self.instances: list[dict[str, torch.UntypedStorage]] = []  # per micro-batch: buffer -> storage
         self._view_caches: list[dict] = [{}]  # per micro-batch: buffer -> view key -> (storage, tensor)
         self._views = self._view_caches[0]
         missing = []
@@ -144,27 +145,41 @@ class Executor:
         (only ``input_names`` / ``state_names`` are bound, all of the graph's by default); micro-batch 0 is
         selected."""
         self.instances = []
-        while len(self._view_caches) < len(inputs):
-            self._view_caches.append({})
-        for mb_inputs, mb_state in zip(inputs, state, strict=True):
-            self.storages = dict(self._static)
-            self._bind_inputs("input", self.graph.inputs if input_names is None else input_names, mb_inputs)
-            self._bind_inputs("state", self.graph.state if state_names is None else state_names, mb_state)
-            self.instances.append(self.storages)
+        for m, (mb_inputs, mb_state) in enumerate(zip(inputs, state, strict=True)):
+            self.prepare_microbatch(m, mb_inputs, mb_state, input_names, state_names)
         self.select(0)
+
+    def prepare_microbatch(self, microbatch: int, inputs: Mapping[str, torch.Tensor],
+                           state: Mapping[str, torch.Tensor], input_names: list[str] | None = None,
+                           state_names: list[str] | None = None) -> None:
+        """Fresh buffer instances for one micro-batch (the others keep theirs), selected."""
+        while len(self._view_caches) <= microbatch:
+            self._view_caches.append({})
+        while len(self.instances) <= microbatch:
+            self.instances.append({})
+        self.storages = dict(self._static)
+        self._bind_inputs("input", self.graph.inputs if input_names is None else input_names, inputs)
+        self._bind_inputs("state", self.graph.state if state_names is None else state_names, state)
+        self.instances[microbatch] = self.storages
+        self._views = self._view_caches[microbatch]
 
     def select(self, microbatch: int) -> None:
         """Make ``microbatch``'s buffer instances the current ones."""
         self.storages = self.instances[microbatch]
         self._views = self._view_caches[microbatch]
 
-    def release(self) -> None:
-        """Drop every buffer instance and cached view of activations (the step is over)."""
-        self.instances = []
-        self.storages = {}
-        for cache in self._view_caches:
+    def release(self, microbatch: int | None = None) -> None:
+        """Drop the buffer instances and cached activation views of one micro-batch, or of all (the step is
+        over)."""
+        for m in range(len(self.instances)) if microbatch is None else [microbatch]:
+            if m < len(self.instances):
+                self.instances[m] = {}
+            cache = self._view_caches[m] if m < len(self._view_caches) else {}
             for name in [b for b in cache if b not in self._static]:
                 del cache[name]
+        if microbatch is None:
+            self.instances = []
+        self.storages = {}
 
     def _compiled(self, index: int) -> _Call:
         call = self._calls.get(index)

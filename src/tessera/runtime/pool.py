@@ -7,6 +7,7 @@ import contextlib
 import os
 import pickle
 import time
+from collections import deque
 from datetime import timedelta
 from multiprocessing import connection as mp_connection
 from typing import Any
@@ -73,7 +74,7 @@ class WorkerPool:
         self.lost: set[int] = set()
         self.epoch = 0  # process groups formed so far
         self._arenas: dict[str, Any] = {}  # shared-memory output arenas of local workers, by name
-        self.pending: dict[int, str] = {}  # worker -> reply key of a command not answered yet
+        self.pending: dict[int, deque[str]] = {w: deque() for w in range(len(devices))}  # unanswered reply keys
 
     @classmethod
     def local(cls, workers: int, threads: int | None = None, devices: list[str] | None = None,
@@ -149,37 +150,53 @@ class WorkerPool:
                 return False
         return self.store.check([key])
 
-    def call(self, cmds: dict[int, dict[str, Any]], timeout_s: float) -> dict[int, dict[str, Any]]:
-        """Send each worker its command and wait for all replies; a worker error raises WorkerFailed after
-        every reply is in, a lost worker WorkerLost as soon as it is noticed."""
-        for w, cmd in cmds.items():
-            if w in self.lost:
-                raise WorkerLost(w, self.devices[w], "lost earlier", 0.0)
-            self.pending[w] = self.send(w, cmd)
-        waiting = {w: self.pending[w] for w in cmds}
-        replies: dict[int, dict[str, Any]] = {}
+    def submit(self, w: int, cmd: dict[str, Any]) -> None:
+        """Send worker ``w`` a command without waiting; its reply comes from :meth:`next_reply` (replies of one
+        worker arrive in the order of its commands)."""
+        if w in self.lost:
+            raise WorkerLost(w, self.devices[w], "lost earlier", 0.0)
+        self.pending[w].append(self.send(w, cmd))
+
+    def next_reply(self, workers, timeout_s: float, raise_failed: bool = True) -> tuple[int, dict[str, Any]]:
+        """The next reply of any of ``workers`` that have commands outstanding (a worker error raises
+        WorkerFailed unless not ``raise_failed``, a lost worker WorkerLost as soon as it is noticed)."""
+        waiting = [w for w in workers if self.pending[w]]
+        if not waiting:
+            raise RuntimeSetupError("no command is outstanding on these workers")
         start = time.monotonic()
-        while waiting:
-            w, key = next(iter(waiting.items()))
+        while True:
             if self.pipes is not None:
-                ready = mp_connection.wait([self.pipes[v] for v in waiting], timeout=LIVENESS_S)
-                done = [v for v in waiting if self.pipes[v] in ready and self._ready(v, waiting[v])]
-                for v in done:
-                    replies[v] = self._take(v, waiting.pop(v))
-                if done:
-                    continue
-            elif self._ready(w, key):
-                replies[w] = self._take(w, key)
-                del waiting[w]
-                continue
+                ready = mp_connection.wait([self.pipes[w] for w in waiting], timeout=LIVENESS_S)
+                w = next((v for v in waiting if self.pipes[v] in ready), None)
+            else:
+                w = next((v for v in waiting if self._ready(v, self.pending[v][0])), None)
+            if w is not None:
+                reply = self._take(w, self.pending[w][0])
+                if raise_failed and not reply["ok"]:
+                    raise WorkerFailed(self.devices[w], reply["error"], reply.get("traceback", ""))
+                return w, reply
             waited = time.monotonic() - start
             for v in waiting:
                 self._check(v, waited)
             if waited > timeout_s:
-                self.lost.add(w)
-                raise WorkerLost(w, self.devices[w], f"no reply to {cmds[w]['op']!r} within {timeout_s:.0f} s", waited)
+                v = waiting[0]
+                self.lost.add(v)
+                raise WorkerLost(v, self.devices[v], f"no reply within {timeout_s:.0f} s", waited)
             if self.pipes is None:
                 time.sleep(nap(waited))
+
+    def call(self, cmds: dict[int, dict[str, Any]], timeout_s: float) -> dict[int, dict[str, Any]]:
+        """Send each worker its command and wait for all replies; a worker error raises WorkerFailed after
+        every reply is in, a lost worker WorkerLost as soon as it is noticed."""
+        for w, cmd in cmds.items():
+            if self.pending[w]:
+                raise RuntimeSetupError(f"worker {self.devices[w]} still has {len(self.pending[w])} commands "
+                                        "outstanding")
+            self.submit(w, cmd)
+        replies: dict[int, dict[str, Any]] = {}
+        while len(replies) < len(cmds):
+            w, reply = self.next_reply([v for v in cmds if v not in replies], timeout_s, raise_failed=False)
+            replies[w] = reply
         failed = [(w, r) for w, r in replies.items() if not r["ok"]]
         if failed:
             w, r = failed[0]
@@ -191,7 +208,7 @@ class WorkerPool:
             try:
                 reply = pickle.loads(self.pipes[w].recv_bytes())
             except (EOFError, OSError):  # the worker's end closed: it died
-                self.pending.pop(w, None)
+                self.pending[w].clear()
                 self.lost.add(w)
                 code = None
                 if self.processes is not None:
@@ -202,7 +219,7 @@ class WorkerPool:
         else:
             reply = pickle.loads(self.store.get(key))
             self.store.delete_key(key)
-        self.pending.pop(w, None)
+        self.pending[w].popleft()
         for outputs in reply.get("outputs", ()) if isinstance(reply.get("outputs"), list) else ():
             for name, value in outputs.items():
                 if isinstance(value, tuple) and value[0] == "shared":
@@ -229,25 +246,28 @@ class WorkerPool:
         """Wait (at most ``timeout_s``) for the live workers' unanswered replies and drop them: after a lost
         peer, the survivors fail their step (or time out) before taking new commands."""
         deadline = time.monotonic() + timeout_s
-        for w, key in list(self.pending.items()):
-            if w in self.lost:
-                self.pending.pop(w)
-                continue
-            began = time.monotonic()
-            while not self._ready(w, key, LIVENESS_S):
-                try:
-                    self._check(w, 0.0)
-                except WorkerLost:
-                    self.pending.pop(w, None)
+        for w in range(len(self.devices)):
+            while self.pending[w]:
+                if w in self.lost:
+                    self.pending[w].clear()
                     break
-                if time.monotonic() > deadline:
-                    self.lost.add(w)
-                    self.pending.pop(w, None)
-                    break
-                if self.pipes is None:
-                    time.sleep(nap(time.monotonic() - began))
-            else:
-                self._take(w, key)
+                key = self.pending[w][0]
+                began = time.monotonic()
+                while not self._ready(w, key, LIVENESS_S):
+                    try:
+                        self._check(w, 0.0)
+                    except WorkerLost:
+                        self.pending[w].clear()
+                        break
+                    if time.monotonic() > deadline:
+                        self.lost.add(w)
+                        self.pending[w].clear()
+                        break
+                    if self.pipes is None:
+                        time.sleep(nap(time.monotonic() - began))
+                else:
+                    with contextlib.suppress(WorkerLost):
+                        self._take(w, key)
 
     def kill(self, w: int) -> None:
         """Kill worker ``w``'s process (fault tests)."""

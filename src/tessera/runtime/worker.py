@@ -124,7 +124,7 @@ class Worker:
         self.rank = -1  # position in the current process group
         self.weights: dict[str, torch.Tensor] = {}
         self.source: tuple | None = None  # the weight files (and their mtimes) self.weights came from
-        self.phases: dict[str, tuple[KernelGraph, Program, list[Transfer], Any, list]] = {}
+        self.phases: dict[str, tuple[KernelGraph, Program, list[Transfer], Any, list, list]] = {}
         self.state: list[dict[str, torch.Tensor]] = []  # per micro-batch
         self.timeout = timedelta(seconds=cfg.transfer_timeout_s)
         self.arena = OutputArena() if cfg.shared_outputs else None
@@ -173,7 +173,9 @@ class Worker:
         for name, ph in phases.items():
             graph, program = ph["graph"], ph["program"]
             ex = Executor(graph, program, self.weights, self.device)
-            self.phases[name] = (graph, program, ph["transfers"], ex, _opcodes(program))
+            ops = _opcodes(program)
+            by_microbatch = [[op for op in ops if op[2] == m] for m in range(program.micro_batches)]
+            self.phases[name] = (graph, program, ph["transfers"], ex, ops, by_microbatch)
             for s in program.state:
                 b = graph.buffers[s]
                 shapes.setdefault(s, (b.dtype, tuple(b.shape)))
@@ -221,16 +223,40 @@ class Worker:
                 trace: bool = False) -> dict[str, Any]:
         """Run ``phase``'s program, micro-batch m on state instance ``state_instances[m]``; return the step
         outputs this device holds."""
-        graph, program, transfers, ex, opcodes = self.phases[phase]
+        graph, program, transfers, ex, opcodes, _ = self.phases[phase]
         t0 = time.perf_counter()
-        timeline: list[tuple] = []
         ex.prepare_microbatches(inputs, [self.state[i] for i in state_instances], program.inputs, program.state)
+        mine = [i for i, t in enumerate(transfers) if t.dst == self.rank]
+        compute, timeline = self._execute(graph, transfers, ex, opcodes, mine, t0, trace)
+        outputs = [self._outputs(graph, program, ex, m) for m in range(program.micro_batches)]
+        ex.release()
+        return {"outputs": outputs, "seconds": time.perf_counter() - t0, "compute_s": compute,
+                "timeline": timeline, "t0": t0}
+
+    def op_job(self, phase: str, microbatch: int, inputs: dict[str, torch.Tensor], state_instance: int,
+               job: Any = None, trace: bool = False) -> dict[str, Any]:
+        """Run only micro-batch ``microbatch`` of ``phase``'s program (the driver streams micro-batches through
+        the pipeline step after step); return its outputs held here."""
+        graph, program, transfers, ex, _, by_microbatch = self.phases[phase]
+        t0 = time.perf_counter()
+        ex.prepare_microbatch(microbatch, inputs, self.state[state_instance], program.inputs, program.state)
+        mine = [i for i, t in enumerate(transfers) if t.dst == self.rank and t.microbatch == microbatch]
+        compute, timeline = self._execute(graph, transfers, ex, by_microbatch[microbatch], mine, t0, trace)
+        outputs = self._outputs(graph, program, ex, microbatch)
+        ex.release(microbatch)
+        return {"job": job, "outputs": [outputs], "seconds": time.perf_counter() - t0, "compute_s": compute,
+                "timeline": timeline, "t0": t0}
+
+    def _execute(self, graph, transfers, ex, opcodes, receives: list[int], t0: float,
+                 trace: bool) -> tuple[float, list[tuple]]:
+        """Post the receives, then run the opcodes; sends go out asynchronously and are waited for at the end.
+        Returns the seconds spent in kernels and (traced) the timeline."""
         posted = {}
-        for i, t in enumerate(transfers):
-            if t.dst == self.rank:
-                flat = torch.empty(t.nbytes, dtype=torch.uint8)
-                posted[i] = (self.pg.recv([flat], t.src, t.tag), flat)
-        sends = []
+        for i in receives:
+            t = transfers[i]
+            flat = torch.empty(t.nbytes, dtype=torch.uint8)
+            posted[i] = (self.pg.recv([flat], t.src, t.tag), flat)
+        sends, timeline = [], []
         compute = 0.0
         torch.set_grad_enabled(False)  # a worker never needs autograd
         sync = self.device.type == "cuda" and trace
@@ -259,15 +285,12 @@ class Worker:
                 timeline.append((_KINDS[code], arg, m, start - t0, clock() - t0))
         for work in sends:
             work.wait(self.timeout)
-        outputs = []
-        for m in range(program.micro_batches):
-            ex.select(m)
-            views = {name: ex.view(TensorRef.from_json(graph.outputs[name])) for name in program.outputs}
-            outputs.append(self.arena.put(m, views) if self.arena is not None else
-                           {name: v.cpu().clone() for name, v in views.items()})
-        ex.release()
-        return {"outputs": outputs, "seconds": time.perf_counter() - t0, "compute_s": compute,
-                "timeline": timeline, "t0": t0}
+        return compute, timeline
+
+    def _outputs(self, graph, program, ex, m: int) -> dict[str, Any]:
+        ex.select(m)
+        views = {name: ex.view(TensorRef.from_json(graph.outputs[name])) for name in program.outputs}
+        return self.arena.put(m, views) if self.arena is not None else {n: v.cpu().clone() for n, v in views.items()}
 
     def op_stop(self) -> dict[str, Any]:
         return {}
