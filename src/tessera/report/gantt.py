@@ -134,9 +134,10 @@ def gantt(timelines: Sequence[Sequence[tuple]], devices: Sequence[str], path: st
     handles = [Patch(facecolor=colour[mb], label=f"micro-batch {mb}") for mb in mbs]
     handles.append(Patch(facecolor="white", edgecolor="black", linewidth=0.5, label="receive wait (transfer row)"))
     handles.append(Line2D([], [], color="black", linewidth=0.9, label="send posted"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.55 / (1 + 0.4 * n)), ncol=len(handles),
-              fontsize=7.5, frameon=False)
-    fig.tight_layout()
+    ncol = min(len(handles), 7)
+    legend_h = (0.12 + 0.24 * math.ceil(len(handles) / ncol)) / fig.get_figheight()  # figure fraction for it
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=7.5, frameon=False, bbox_to_anchor=(0.5, 0.0))
+    fig.tight_layout(rect=(0, legend_h, 1, 1))
     out = Path(path)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
