@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tessera.report.plots import PlotError
+from tessera.report.plots import PlotError, save_png
 
 KINDS = ("run", "send", "recv", "free")
 MERGE_GAP_S = 20e-6  # kernels of one micro-batch closer than this are drawn as one bar
@@ -138,10 +138,4 @@ def gantt(timelines: Sequence[Sequence[tuple]], devices: Sequence[str], path: st
     legend_h = (0.12 + 0.24 * math.ceil(len(handles) / ncol)) / fig.get_figheight()  # figure fraction for it
     fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=7.5, frameon=False, bbox_to_anchor=(0.5, 0.0))
     fig.tight_layout(rect=(0, legend_h, 1, 1))
-    out = Path(path)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, format="png", metadata={"Software": None})
-    except OSError as e:
-        raise GanttError(f"cannot write the Gantt chart to {out}: {e.strerror}; pass a writable path") from e
-    return out
+    return save_png(fig, path, GanttError, "the Gantt chart", "pass a writable path")

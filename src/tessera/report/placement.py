@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tessera.report.plots import PlotError
+from tessera.report.plots import PlotError, save_png
 
 MAX_LABELS = 40  # at most this many layer labels on the x axis; more layers show every k-th label
 _EMPTY = "#f2f2f2"  # a (layer, class) cell with no kernel
@@ -182,11 +182,4 @@ def plot_placement(rows: list[PlacementCell], devices: list[str], path: str | Pa
                frameon=False, fontsize=9)
     top.set_title(title, pad=28)
     fig.subplots_adjust(left=0.09 if width > 12 else 0.13, right=0.98, top=0.86, bottom=0.16)
-    out = Path(path)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, format="png", metadata={"Software": None})
-    except OSError as e:
-        raise PlacementPlotError(f"cannot write the placement plot to {out}: {e.strerror}; "
-                                 "give a writable path") from e
-    return out
+    return save_png(fig, path, PlacementPlotError, "the placement plot", "give a writable path")

@@ -64,12 +64,18 @@ def census_ratio_cdf(result: Census, path: str | Path, by: str = "phase") -> Pat
     ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8, title=f"by {by}", title_fontsize=8,
               frameon=False)
     fig.tight_layout()
+    return save_png(fig, path, PlotError, "the plot", "pass --plot with a writable path")
+
+
+def save_png(fig, path: str | Path, error: type[TesseraError], what: str, hint: str) -> Path:
+    """Write ``fig`` as a PNG (no software stamp, so files are reproducible), creating the folder; a clear
+    ``error`` naming ``what`` and the ``hint`` when it cannot be written."""
     out = Path(path)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, format="png", metadata={"Software": None})
     except OSError as e:
-        raise PlotError(f"cannot write the plot to {out}: {e.strerror}; pass --plot with a writable path") from e
+        raise error(f"cannot write {what} to {out}: {e.strerror}; {hint}") from e
     return out
 
 
