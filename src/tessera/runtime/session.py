@@ -5,7 +5,7 @@ and the text generation loop itself."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,7 +61,7 @@ def weight_files(model: str) -> list[str]:
 
 
 @dataclass
-class Placement:
+class RunPlacement:
     """Where each phase's kernels run, with M per phase, how it was found and how to find it again on fewer
     workers (after a lost one)."""
 
@@ -70,7 +70,6 @@ class Placement:
     how: str
     replan: Callable[[int], dict[str, list[int]]]
     plan: DeploymentPlan | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 def placements_from_plan(plan: DeploymentPlan, graphs: dict[str, KernelGraph], workers: int,
@@ -137,7 +136,7 @@ def runtime_context(model: str, workers: int, prompt_tokens: int, max_tokens: in
 
 def policy_placement(model: str, graphs: dict[str, KernelGraph], workers: int, policy: str, max_tokens: int,
                      profile=None, device: str | None = None, log: Callable[[str], None] = lambda s: None,
-                     batch: int = 1, micro_batches: int = 1) -> Placement:
+                     batch: int = 1, micro_batches: int = 1) -> RunPlacement:
     """Plan ``policy`` on ``cpu:workers`` for these graphs (``batch`` requests, the run's shapes)."""
     from tessera.plan.planner import plan_policy
 
@@ -153,10 +152,10 @@ def policy_placement(model: str, graphs: dict[str, KernelGraph], workers: int, p
     plan = solve(workers)
     placements, mbs = placements_from_plan(plan, graphs, workers, f"the {policy} plan")
     how = f"{policy} plan" + (f" ({plan.reason})" if plan.reason else "")
-    return Placement(placements, mbs, how, lambda n: placements_from_plan(solve(n), graphs, n)[0], plan)
+    return RunPlacement(placements, mbs, how, lambda n: placements_from_plan(solve(n), graphs, n)[0], plan)
 
 
-def synthetic(graphs: dict[str, KernelGraph], workers: int, kind: str, seed: int = 0) -> Placement:
+def synthetic(graphs: dict[str, KernelGraph], workers: int, kind: str, seed: int = 0) -> RunPlacement:
     """``alternate`` or ``random`` placement of every phase (see :mod:`tessera.program.placements`)."""
     if kind not in PLACEMENTS:
         raise RunSetupError(f"--placement must be one of {', '.join(PLACEMENTS)} (got {kind!r})")
@@ -164,12 +163,12 @@ def synthetic(graphs: dict[str, KernelGraph], workers: int, kind: str, seed: int
     def place(n: int) -> dict[str, list[int]]:
         return {ph: synthetic_placement(g, n, kind, seed) for ph, g in graphs.items()}
 
-    return Placement(place(workers), {ph: 1 for ph in graphs}, f"{kind} placement" +
+    return RunPlacement(place(workers), {ph: 1 for ph in graphs}, f"{kind} placement" +
                      (f" (seed {seed})" if kind == "random" else ""), place)
 
 
 def plan_file_placement(path: Path, graphs: dict[str, KernelGraph], workers: int, model: str, max_tokens: int,
-                        profile=None, log: Callable[[str], None] = lambda s: None) -> Placement:
+                        profile=None, log: Callable[[str], None] = lambda s: None) -> RunPlacement:
     """The placement of a plan file (checked against the graphs); re-planning falls back to ``tessera``."""
     plan = DeploymentPlan.load(path)
     placements, mbs = placements_from_plan(plan, graphs, workers, f"plan file {path}")
@@ -177,7 +176,7 @@ def plan_file_placement(path: Path, graphs: dict[str, KernelGraph], workers: int
     def replan(n: int) -> dict[str, list[int]]:
         return policy_placement(model, graphs, n, "tessera", max_tokens, profile, log=log).placements
 
-    return Placement(placements, mbs, f"{plan.policy} plan from {path}", replan, plan)
+    return RunPlacement(placements, mbs, f"{plan.policy} plan from {path}", replan, plan)
 
 
 def distributed_runner_fn(runner: DistributedRunner) -> Callable[[str, dict[str, torch.Tensor]], torch.Tensor]:
