@@ -257,28 +257,9 @@ def kernel_times(runs: list[Run]) -> dict[tuple[int, int], float]:
 def schedule_bound(sp, alone: dict[tuple[int, int], float]) -> float:
     """The step time of the runtime's own instruction order with the standalone kernel times and free transfers
     (a send is posted when its kernel ends; a receive waits for it): what fill, drain and imbalance alone cost."""
-    clock = [0.0] * len(sp.programs)
-    pos = [0] * len(sp.programs)
-    posted: dict[int, float] = {}
-    progress = True
-    while progress:
-        progress = False
-        for d, prog in enumerate(sp.programs):
-            while pos[d] < len(prog.instructions):
-                ins = prog.instructions[pos[d]]
-                if ins.kind == "run":
-                    clock[d] += alone[(ins.kernel, ins.microbatch)]
-                elif ins.kind == "send":
-                    posted[ins.transfer] = clock[d]
-                elif ins.kind == "recv":
-                    if ins.transfer not in posted:
-                        break
-                    clock[d] = max(clock[d], posted[ins.transfer])
-                pos[d] += 1
-                progress = True
-    if any(p < len(prog.instructions) for p, prog in zip(pos, sp.programs, strict=True)):
-        raise RuntimeError("the programs deadlock in simulation")
-    return max(clock)
+    from tessera.sim.programs import simulate_programs
+
+    return simulate_programs(sp, lambda d, k, m: alone[(k, m)]).makespan_s
 
 
 def pipelining(work: Workload, warmup: int, steps: int, out_dir: Path, files: list[str]) -> None:
