@@ -185,6 +185,11 @@ def distributed_runner_fn(runner: DistributedRunner) -> Callable[[str, dict[str,
 
 
 def describe_transfers(runner: DistributedRunner) -> str:
-    """One line per phase: transfers and bytes per step."""
-    return "; ".join(f"{ph}: {len(sp.transfers)} transfers, {sp.cut_bytes / 1e3:.1f} kB per step"
-                     for ph, sp in runner.programs.items())
+    """One line per phase: kernels per worker, transfers and bytes per step."""
+    parts = []
+    for ph, sp in runner.programs.items():
+        counts = [sp.placement.count(d) for d in range(len(sp.devices))]
+        split = ", ".join(f"{n} on {dev}" for n, dev in zip(counts, sp.devices, strict=True) if n)
+        parts.append(f"{ph}: {len(sp.placement)} kernels ({split}), {len(sp.transfers)} transfers, "
+                     f"{sp.cut_bytes / 1e3:.1f} kB per step")
+    return "; ".join(parts)
