@@ -162,7 +162,7 @@ def test_replan_finishes_on_the_survivors_with_identical_output(fresh_pool, grap
 # Steps streamed through the pipeline (no fill and drain per step)
 
 
-@pytest.mark.parametrize("how", ["layer-pipeline", "alternate"])
+@pytest.mark.parametrize("how", ["layer-pipeline", "attention-ffn", "alternate"])
 def test_streamed_decode_equals_eager(pool, graphs, smollm2_reference, how):
     placed = _placement(graphs, 2, how)
     runner = DistributedRunner(pool, graphs, placed.placements, placed.micro_batches,
