@@ -264,14 +264,16 @@ def build_programs(graph: KernelGraph, placement: list[int], devices: list[str],
     per_mb = len(pending)
     transfers = [Transfer(s, d, m, tuple(pieces), after, before[i], tag=m * per_mb + i)
                  for m in range(micro_batches) for i, (s, d, after, pieces) in enumerate(pending)]
+    kept = {TensorRef.from_json(r).buffer for r in graph.outputs.values()}  # step outputs are collected, not freed
+    freeable = {name for name, kind in kinds.items() if kind in ("activation", "input", "output")} - kept
     programs = [_device_program(graph, placement, d, devices[d], micro_batches, pending, recvs_before, uses[d],
-                                sorted(weights[d]), sorted(inputs[d]), sorted(state[d]), outputs[d])
+                                freeable, sorted(weights[d]), sorted(inputs[d]), sorted(state[d]), outputs[d])
                 for d in range(n)]
     return StepPrograms(graph.hash, list(placement), list(devices), micro_batches, programs, transfers)
 
 
 def _device_program(graph: KernelGraph, placement: list[int], d: int, device: str, micro_batches: int,
-                    pending, recvs_before, last_use: dict[str, int], weights, inputs, state,
+                    pending, recvs_before, last_use: dict[str, int], freeable: set[str], weights, inputs, state,
                     outputs: list[str]) -> Program:
     nk = len(graph.kernels)
     per_mb = len(pending)
@@ -282,17 +284,15 @@ def _device_program(graph: KernelGraph, placement: list[int], d: int, device: st
     mine = [k for k in range(nk) if placement[k] == d]
     segments: list[list[int]] = []
     for k in mine:
-        if segments and all(placement[j] == d for j in range(segments[-1][-1] + 1, k)):
+        if segments and segments[-1][-1] == k - 1:  # no other device's kernel in between
             segments[-1].append(k)
         else:
             segments.append([k])
     if not segments and (sends_after or outputs):
         segments.append([])
-    keep = {TensorRef.from_json(r).buffer for r in graph.outputs.values()}
-    kinds = {name: b.kind for name, b in graph.buffers.items()}
     frees_after: dict[int, list[str]] = defaultdict(list)
     for name, pos in last_use.items():
-        if kinds[name] in ("activation", "input", "output") and name not in keep:
+        if name in freeable:
             frees_after[pos].append(name)
     instructions: list[Instruction] = []
     for si, seg in enumerate(segments):

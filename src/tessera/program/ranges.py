@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from tessera.graph.overlap import Region
 
 # A region with more contiguous runs than this is taken as its covering interval (a superset: still
@@ -85,7 +83,3 @@ class Ranges:
             if cur < hi:
                 out.append((cur, hi))
         return Ranges(tuple(out))
-
-    def index(self) -> np.ndarray:
-        """Every byte position, for gathering (small sets) - use :meth:`spans` for large ones."""
-        return np.concatenate([np.arange(a, b) for a, b in self.spans]) if self.spans else np.zeros(0, np.int64)
