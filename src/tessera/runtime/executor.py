@@ -108,9 +108,9 @@ class Executor:
         if slot.recorded_layout is None:  # the same op on the same layouts returns the same layout every time
             slot.recorded_layout = (st.nbytes() == slot.nbytes and value.storage_offset() == slot.offset
                                     and value.stride() == slot.strides)
-        if slot.recorded_layout:
+        if slot.recorded_layout:  # the usual case: a new buffer in the traced layout, its first view cached
             self.storages[slot.buffer] = st
-            self._views.setdefault(slot.buffer, {})[slot.key] = (st, value)
+            self._views[slot.buffer] = {slot.key: (st, value)}
             return
         # the device kernel chose another layout than the trace recorded: keep the recorded one
         storage = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
@@ -199,12 +199,8 @@ class Executor:
 
     def run_kernel(self, index: int) -> None:
         """Run kernel ``index`` once on the current storages and bind the buffers it produces."""
-        call = self._calls.get(index) or self._compiled(index)
-        storages, views = self.storages, self._views
-        for container, key, slot in call.holes:  # the hot path of :meth:`_Call.fill`, inlined
-            cached = views.get(slot.buffer)
-            hit = cached.get(slot.key) if cached is not None else None
-            container[key] = hit[1] if hit is not None and hit[0] is storages.get(slot.buffer) else self._tensor(slot)
+        call = self._compiled(index)
+        call.fill(self.storages, self._views, self._tensor)
         try:
             if torch.is_grad_enabled():
                 with torch.no_grad():
@@ -213,17 +209,10 @@ class Executor:
                 out = call.op(*call.args, **call.kwargs)
         except Exception as e:
             raise ExecutionError(f"kernel {self.graph.kernels[index].id} failed: {e}") from e
-        if type(out) is torch.Tensor:
-            slot = call.out
-            if slot is not None and slot.recorded_layout and slot.buffer not in storages:
-                st = out.untyped_storage()  # the usual case: a new buffer in the traced layout
-                storages[slot.buffer] = st
-                views[slot.buffer] = {slot.key: (st, out)}
-            elif slot is not None:
-                self._bind_output(slot, out)
+        if isinstance(out, torch.Tensor):
+            if call.out is not None:
+                self._bind_output(call.out, out)
             return
-        if isinstance(out, torch.Tensor):  # a tensor subclass
-            out = (out,)
         outs = tree_flatten(out)[0] if isinstance(out, (tuple, list)) else []
         for slot, value in zip(call.outs, outs, strict=False):
             if slot is not None and isinstance(value, torch.Tensor):
@@ -280,7 +269,7 @@ class _Call:
     def __init__(self, func, args: list, kwargs: dict, holes: list, outs: list[_Slot | None]):
         self.func, self.args, self.kwargs, self.holes, self.outs = func, args, kwargs, holes, outs
         self.op = getattr(func, "_op", func)  # the OpOverload's C++ callable (one Python frame less)
-        self.out = outs[0] if len(outs) == 1 else None  # single-tensor results: the slot they bind
+        self.out = outs[0] if outs else None  # a single-tensor result binds the first output
 
     @classmethod
     def compile(cls, graph: KernelGraph, index: int, device: torch.device) -> _Call:
@@ -315,9 +304,5 @@ class _Call:
         storage is still the buffer's, else ``make(slot)``)."""
         for container, key, slot in self.holes:
             cached = views.get(slot.buffer)
-            if cached is not None:
-                hit = cached.get(slot.key)
-                if hit is not None and hit[0] is storages.get(slot.buffer):
-                    container[key] = hit[1]
-                    continue
-            container[key] = make(slot)
+            hit = cached.get(slot.key) if cached is not None else None
+            container[key] = hit[1] if hit is not None and hit[0] is storages.get(slot.buffer) else make(slot)
