@@ -115,7 +115,7 @@ class DistributedRunner:
                 weights = {n: t for n, t in self.weights.items() if n in names}
             loads[w] = {"op": "load", "phases": phases, "weights_path": self.weights_path,
                         "weights": weights, "state_instances": self.state_instances}
-        self.loaded = self.pool.call(loads, self.step_timeout_s)
+        self.pool.call(loads, self.step_timeout_s)
         # state rows -> the rank holding their latest value (-1: every holder has the same value)
         self.owner: dict[tuple[str, int], list[int]] = {}
 
@@ -199,9 +199,7 @@ class DistributedRunner:
         """Run ``phase`` on a batch of rows: row r belongs to state instance r // slots_per_instance (its
         ``slots`` input is the local slot); rows are cut into the graph's batch, M chunks per step. Returns the
         outputs concatenated in row order."""
-        if phase not in self.graphs:
-            raise RuntimeInputError(f"no graph for phase {phase!r}; phases: {', '.join(sorted(self.graphs))}")
-        graph = self.graphs[phase]
+        graph = self._graph(phase)
         chunks = _split_rows(graph, inputs)
         m = self.micro_batches[phase]
         b = graph.buffers[graph.inputs[0]].shape[0]
@@ -243,16 +241,7 @@ class DistributedRunner:
         for r in replies.values():
             for i, o in enumerate(r["outputs"]):
                 outs[i].update(o)
-        touched: dict[int, list[list[int]]] = {}  # rows of the state -> rows each chunk wrote
-        for name, rank in self.holder[phase].items():
-            if name in self.graphs[phase].buffers:
-                n = self._rows(name)
-                if n not in touched:
-                    touched[n] = _touched_rows(self.graphs[phase], chunks, n)
-                for inst, rws in zip(instances, touched[n], strict=True):
-                    owner = self._owner(name, inst)
-                    for r in rws:
-                        owner[r] = rank
+        self._mark_written(phase, chunks, instances)
         order = list(replies)
         self.last_timing = StepTiming(phase, seconds, [replies[w]["seconds"] for w in order],
                                       [replies[w]["compute_s"] for w in order],
@@ -260,17 +249,35 @@ class DistributedRunner:
                                       [self.pool.devices[w] for w in order])
         return outs
 
+    def _graph(self, phase: str) -> KernelGraph:
+        if phase not in self.graphs:
+            raise RuntimeInputError(f"no graph for phase {phase!r}; phases: {', '.join(sorted(self.graphs))}")
+        return self.graphs[phase]
+
+    def _mark_written(self, phase: str, chunks: list[dict[str, torch.Tensor]], instances: list[int]) -> None:
+        """The state rows ``phase`` wrote for these chunks now live on the worker holding that state."""
+        graph = self.graphs[phase]
+        touched: dict[int, list[list[int]]] = {}  # rows of a state buffer -> the rows each chunk wrote
+        for name, rank in self.holder[phase].items():
+            if name in graph.buffers:
+                n = self._rows(name)
+                if n not in touched:
+                    touched[n] = _touched_rows(graph, chunks, n)
+                for inst, rows in zip(instances, touched[n], strict=True):
+                    owner = self._owner(name, inst)
+                    for r in rows:
+                        owner[r] = rank
+
     # ------------------------------------------------------------------------------------------------
     def stream(self, phase: str, first: list[dict[str, torch.Tensor]], steps: int,
                feed: Callable[[int, int, dict[str, torch.Tensor]], dict[str, torch.Tensor] | None],
-               instances: list[int] | None = None, trace: bool = False) -> list[list[dict[str, torch.Tensor]]]:
+               instances: list[int] | None = None) -> list[list[dict[str, torch.Tensor]]]:
         """Steps of ``phase`` pipelined across steps: micro-batch m starts with inputs ``first[m]`` on state
         instance ``instances[m]``; as soon as its step i is back, ``feed(m, i, outputs)`` gives its inputs for
         step i+1 (None: m stops), queued on the workers at once, so the first stage starts m's next step while
         the later stages finish other micro-batches (no fill and drain per step). At most ``steps`` steps per
         micro-batch; returns each micro-batch's outputs per step. Lost workers are not re-planned here."""
-        if phase not in self.graphs:
-            raise RuntimeInputError(f"no graph for phase {phase!r}; phases: {', '.join(sorted(self.graphs))}")
+        self._graph(phase)
         count = self.micro_batches[phase]
         instances = list(range(count)) if instances is None else list(instances)
         if len(first) != count or len(instances) != count:
@@ -287,12 +294,11 @@ class DistributedRunner:
         gathered: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         results: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(count)]
         busy = dict.fromkeys(self.members, 0.0)
-        self.stream_timelines: list[tuple[int, tuple[int, int], float, list[tuple]]] = []
 
         def submit(m: int, inputs: dict[str, torch.Tensor], i: int) -> None:
             for rank, w in workers[m]:
                 names = sp.programs[rank].inputs
-                self.pool.submit(w, {"op": "job", "phase": phase, "microbatch": m, "job": (m, i), "trace": trace,
+                self.pool.submit(w, {"op": "job", "phase": phase, "microbatch": m, "job": (m, i),
                                      "inputs": {n: inputs[n] for n in names}, "state_instance": instances[m]})
             waiting[(m, i)] = {w for _, w in workers[m]}
 
@@ -304,8 +310,6 @@ class DistributedRunner:
             key = tuple(reply["job"])
             gathered.setdefault(key, {}).update(reply["outputs"][0])
             busy[w] += reply["compute_s"]
-            if trace:
-                self.stream_timelines.append((w, key, reply["t0"], reply["timeline"]))
             waiting[key].discard(w)
             if waiting[key]:
                 continue
@@ -317,13 +321,7 @@ class DistributedRunner:
             if nxt is not None:
                 submit(m, nxt, i + 1)
         seconds = time.perf_counter() - t0
-        for name, rank in self.holder[phase].items():
-            if name in self.graphs[phase].buffers:
-                for inst, rows in zip(instances, _touched_rows(self.graphs[phase], first, self._rows(name)),
-                                      strict=True):
-                    owner = self._owner(name, inst)
-                    for r in rows:
-                        owner[r] = rank
+        self._mark_written(phase, first, instances)
         self.last_timing = StepTiming(phase, seconds, [], [busy[w] for w in self.members], [],
                                       [self.pool.devices[w] for w in self.members])
         return results
@@ -364,12 +362,13 @@ class DistributedRunner:
         if self.on_failure != "replan":
             raise lost
         t0 = time.perf_counter()
-        self.pool.drain(timeout_s=self.pool_timeout())
+        self.pool.drain(timeout_s=self.step_timeout_s)
         survivors = [w for w in self.members if w in self.pool.alive]
         if not survivors:
             raise lost
         self.log(f"tessera: re-planning onto {len(survivors)} surviving workers "
-                 f"({', '.join(self.pool.devices[w] for w in survivors)}) and replaying {len(self.history)} steps")
+                 f"({', '.join(self.pool.devices[w] for w in survivors)}) and replaying {len(self.history) - 1} "
+                 "earlier steps")
         self._install(self.replan(len(survivors)), survivors)
         self._replaying = True
         try:
@@ -383,9 +382,6 @@ class DistributedRunner:
         self.recoveries.append(Recovery(lost.device, lost.how, lost.seconds,
                                         [self.pool.devices[w] for w in survivors], len(self.history) - 1,
                                         time.perf_counter() - t0))
-
-    def pool_timeout(self) -> float:
-        return self.step_timeout_s
 
     def close(self) -> None:
         self.pool.close()

@@ -4,6 +4,7 @@ collect replies with timeouts, and notice a lost worker within a bounded time.""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import time
@@ -17,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tessera.errors import TesseraError
+from tessera.graph.codec import dtype_from_name
 from tessera.runtime.worker import WorkerConfig, nap, worker_main
 
 BACKENDS = ("gloo", "nccl")
@@ -234,12 +236,8 @@ class WorkerPool:
         if shm is None:  # the worker created it and unlinks it; attaching registers nothing here
             shm = shared_memory.SharedMemory(name=arena)
             self._arenas[arena] = shm
-        dt = getattr(torch, dtype)
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * torch.empty(0, dtype=dt).element_size()
-        raw = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes, offset=offset)
+        dt = dtype_from_name(dtype)
+        raw = torch.frombuffer(shm.buf, dtype=torch.uint8, count=math.prod(shape) * dt.itemsize, offset=offset)
         return raw.clone().view(dt).view(shape)
 
     def drain(self, timeout_s: float) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tessera.graph.codec import dtype_from_name, dtype_name
 from tessera.graph.ir import KernelGraph, TensorRef
 from tessera.program.program import Piece, Program, Transfer
 
@@ -59,9 +60,10 @@ def pack(storages: dict[str, torch.UntypedStorage], pieces: tuple[Piece, ...]) -
     return flat.cpu()
 
 
-def unpack(storages: dict[str, torch.UntypedStorage], graph: KernelGraph, pieces: tuple[Piece, ...],
-           flat: torch.Tensor, device: torch.device) -> None:
-    """Write a received flat tensor into the pieces' buffers (allocating a buffer not present yet)."""
+def unpack(storages: dict[str, torch.UntypedStorage], pieces: tuple[Piece, ...], flat: torch.Tensor,
+           device: torch.device, graph: KernelGraph | None = None) -> None:
+    """Write a received flat tensor into the pieces' buffers (allocating one not present yet: ``graph`` gives
+    its size)."""
     at = 0
     for p in pieces:
         st = storages.get(p.buffer)
@@ -102,7 +104,7 @@ class OutputArena:
         for name, t in tensors.items():
             flat = t.detach().contiguous().view(-1).view(torch.uint8)
             buf[at: at + flat.numel()].copy_(flat.cpu())
-            refs[name] = ("shared", self.shm.name, at, str(t.dtype).removeprefix("torch."), list(t.shape))
+            refs[name] = ("shared", self.shm.name, at, dtype_name(t.dtype), list(t.shape))
             at += -(-sizes[name] // self.REGION_ALIGN) * self.REGION_ALIGN
         return refs
 
@@ -179,8 +181,6 @@ class Worker:
             for s in program.state:
                 b = graph.buffers[s]
                 shapes.setdefault(s, (b.dtype, tuple(b.shape)))
-        from tessera.graph.codec import dtype_from_name
-
         self.state = [{s: torch.zeros(shape, dtype=dtype_from_name(dt), device=self.device)
                        for s, (dt, shape) in shapes.items()} for _ in range(state_instances)]
         return {"weights": len(self.weights), "weight_bytes": sum(t.nbytes for t in self.weights.values()),
@@ -199,25 +199,22 @@ class Worker:
 
     def op_move(self, moves: list[dict[str, Any]]) -> dict[str, Any]:
         """Explicit state moves: send or receive byte ranges of state buffers (per micro-batch)."""
-        works = []
+        works, moved = [], 0
         for mv in moves:
-            st = self.state[mv["microbatch"]][mv["buffer"]]
-            view = st.view(-1).view(torch.uint8) if st.is_contiguous() else None
+            storages = {mv["buffer"]: self.state[mv["microbatch"]][mv["buffer"]].untyped_storage()}
+            pieces = (Piece(mv["buffer"], tuple(mv["spans"])),)
+            moved += pieces[0].nbytes
             if mv["send"]:
-                flat = torch.cat([view[lo:hi] for lo, hi in mv["spans"]]).cpu()
-                works.append((self.pg.send([flat], mv["peer"], mv["tag"]), None, None))
+                works.append((self.pg.send([pack(storages, pieces)], mv["peer"], mv["tag"]), None))
             else:
-                flat = torch.empty(sum(hi - lo for lo, hi in mv["spans"]), dtype=torch.uint8)
-                works.append((self.pg.recv([flat], mv["peer"], mv["tag"]), flat, (view, mv["spans"])))
-        for work, flat, into in works:
+                flat = torch.empty(pieces[0].nbytes, dtype=torch.uint8)
+                works.append((self.pg.recv([flat], mv["peer"], mv["tag"]), (storages, pieces, flat)))
+        for work, into in works:
             work.wait(self.timeout)
             if into is not None:
-                view, spans = into
-                at = 0
-                for lo, hi in spans:
-                    view[lo:hi].copy_(flat[at: at + hi - lo])
-                    at += hi - lo
-        return {"bytes": sum(sum(hi - lo for lo, hi in mv["spans"]) for mv in moves)}
+                storages, pieces, flat = into
+                unpack(storages, pieces, flat, self.device)
+        return {"bytes": moved}
 
     def op_step(self, phase: str, inputs: list[dict[str, torch.Tensor]], state_instances: list[int],
                 trace: bool = False) -> dict[str, Any]:
@@ -280,7 +277,7 @@ class Worker:
             else:
                 work, flat = posted.pop(arg)
                 work.wait(self.timeout)
-                unpack(ex.storages, graph, transfers[arg].pieces, flat, self.device)
+                unpack(ex.storages, transfers[arg].pieces, flat, self.device, graph)
             if trace:
                 timeline.append((_KINDS[code], arg, m, start - t0, clock() - t0))
         for work in sends:
