@@ -24,7 +24,7 @@ from torch import nn
 
 from tessera.capture.ops import StepContext, register_hf_hooks, step_context
 from tessera.capture.step import Step
-from tessera.capture.steps.llm import kv_of, new_kv_cache
+from tessera.capture.steps.llm import kv_of, new_kv_cache, step_meta
 from tessera.errors import PhaseError, ShapeError
 
 VLM_PHASES = ("encode", "prefill", "decode")
@@ -309,11 +309,9 @@ def _text_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mo
                         logits_to_keep=1)
         return {"logits": out.logits}
 
-    meta = {"batch": batch, "seq": seq if phase == "prefill" else 1, "ctx": ctx,
-            "image": [grid.width, grid.height], "image_start": image_start, "image_tokens": grid.tokens,
-            "prompt": seq, "rope_delta": delta}
-    if slots is not None and slots != batch:
-        meta["slots"] = slots
+    meta = step_meta(batch, seq if phase == "prefill" else 1, ctx, slots) | {
+        "image": [grid.width, grid.height], "image_start": image_start, "image_tokens": grid.tokens,
+        "prompt": seq, "rope_delta": delta}
     return Step(model=model_name, family="vlm", phase=phase, modules={"": model},
                 fn=prefill if phase == "prefill" else decode, inputs=inputs, state=state,
                 constant_values=dict(constant_values), meta=meta)
