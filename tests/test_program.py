@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -33,6 +35,26 @@ def test_ranges_algebra():
     assert (a & Ranges.of([(5, 10)])).spans == ((5, 6), (8, 10))
     assert (a | Ranges.of([(6, 8)])).spans == ((0, 12),)
     assert not (a - a)
+    assert not (a & Ranges()) and (a - Ranges()) == a and not (Ranges() - a)
+
+
+def test_ranges_set_operations_match_byte_sets():
+    rng = random.Random(7)
+
+    def random_ranges() -> tuple[Ranges, set[int]]:
+        spans = [(lo, lo + rng.randint(0, 6)) for lo in (rng.randint(0, 60) for _ in range(rng.randint(0, 8)))]
+        return Ranges.of(spans), {x for lo, hi in spans for x in range(lo, hi)}
+
+    def as_set(r: Ranges) -> set[int]:
+        return {x for lo, hi in r.spans for x in range(lo, hi)}
+
+    for _ in range(300):
+        (a, sa), (b, sb) = random_ranges(), random_ranges()
+        assert as_set(a) == sa and Ranges.of(a.spans) == a
+        assert as_set(a - b) == sa - sb and as_set(a & b) == sa & sb and as_set(a | b) == sa | sb
+        for r in (a - b, a & b, a | b):  # canonical: sorted, disjoint, not touching
+            assert all(lo < hi for lo, hi in r.spans)
+            assert all(r.spans[i][1] < r.spans[i + 1][0] for i in range(len(r.spans) - 1))
 
 
 def test_exact_bytes_of_disjoint_slices_move_to_their_readers():

@@ -8,6 +8,9 @@ sets are built from the exact strided regions the trace recorded.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
 
 from tessera.graph.overlap import Region
 
@@ -25,24 +28,34 @@ class Ranges:
     @staticmethod
     def of(spans) -> Ranges:
         """Normalise any iterable of (lo, hi) pairs: sorted, overlaps and neighbours merged, empties dropped."""
-        out: list[list[int]] = []
-        for lo, hi in sorted((int(a), int(b)) for a, b in spans if b > a):
-            if out and lo <= out[-1][1]:
-                out[-1][1] = max(out[-1][1], hi)
-            else:
-                out.append([lo, hi])
-        return Ranges(tuple((a, b) for a, b in out))
+        pairs = np.asarray(list(spans), dtype=np.int64).reshape(-1, 2)
+        return Ranges._merged(pairs[:, 0], pairs[:, 1])
 
     @staticmethod
+    def _merged(lo: np.ndarray, hi: np.ndarray) -> Ranges:
+        keep = hi > lo
+        lo, hi = lo[keep], hi[keep]
+        if lo.size == 0:
+            return Ranges()
+        order = np.argsort(lo, kind="stable")
+        lo, hi = lo[order], hi[order]
+        reach = np.maximum.accumulate(hi)
+        first = np.ones(lo.size, dtype=bool)
+        first[1:] = lo[1:] > reach[:-1]  # touching intervals merge too
+        starts = np.flatnonzero(first)
+        ends = np.append(starts[1:], lo.size) - 1
+        return Ranges(tuple(zip(lo[starts].tolist(), reach[ends].tolist(), strict=True)))
+
+    @staticmethod
+    @lru_cache(maxsize=4096)
     def region(region: Region) -> Ranges:
-        """The bytes a strided view touches."""
+        """The bytes a strided view touches (cached: a graph's views repeat across layers and micro-batches)."""
         if region.empty:
             return Ranges()
         if region.count > MAX_RUNS:
             return Ranges((region.bounds,))
-        width = region.runs[2]
-        starts = region.starts()
-        return Ranges.of(zip(starts.tolist(), (starts + width).tolist(), strict=True))
+        starts = np.asarray(region.starts(), dtype=np.int64)
+        return Ranges._merged(starts, starts + region.runs[2])
 
     def __bool__(self) -> bool:
         return bool(self.spans)
@@ -55,31 +68,24 @@ class Ranges:
         return Ranges.of(self.spans + other.spans)
 
     def __and__(self, other: Ranges) -> Ranges:
-        out, i, j = [], 0, 0
-        a, b = self.spans, other.spans
-        while i < len(a) and j < len(b):
-            lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-            if lo < hi:
-                out.append((lo, hi))
-            if a[i][1] < b[j][1]:
-                i += 1
-            else:
-                j += 1
-        return Ranges(tuple(out))
+        return self._combine(other, keep_other=True)
 
     def __sub__(self, other: Ranges) -> Ranges:
-        out = []
-        b = other.spans
-        j = 0
-        for lo, hi in self.spans:
-            while j < len(b) and b[j][1] <= lo:
-                j += 1
-            k, cur = j, lo
-            while k < len(b) and b[k][0] < hi:
-                if b[k][0] > cur:
-                    out.append((cur, b[k][0]))
-                cur = max(cur, b[k][1])
-                k += 1
-            if cur < hi:
-                out.append((cur, hi))
-        return Ranges(tuple(out))
+        return self._combine(other, keep_other=False)
+
+    def _combine(self, other: Ranges, keep_other: bool) -> Ranges:
+        """Bytes in self and (``keep_other``) in other, or (not ``keep_other``) not in other: one sweep over
+        both sets' boundaries."""
+        if not self.spans or not other.spans:
+            return Ranges() if keep_other else self
+        a = np.asarray(self.spans, dtype=np.int64)
+        b = np.asarray(other.spans, dtype=np.int64)
+        points = np.concatenate([a.ravel(), b.ravel()])
+        in_a = np.concatenate([np.tile([1, -1], len(a)), np.zeros(2 * len(b), dtype=np.int64)])
+        in_b = np.concatenate([np.zeros(2 * len(a), dtype=np.int64), np.tile([1, -1], len(b))])
+        order = np.argsort(points, kind="stable")
+        points, cov_a, cov_b = points[order], np.cumsum(in_a[order]), np.cumsum(in_b[order])
+        last = np.append(points[1:] != points[:-1], True)  # the coverage after every event at a position
+        points, cov_a, cov_b = points[last], cov_a[last], cov_b[last]
+        inside = (cov_a[:-1] > 0) & ((cov_b[:-1] > 0) if keep_other else (cov_b[:-1] == 0))
+        return Ranges._merged(points[:-1][inside], points[1:][inside])
