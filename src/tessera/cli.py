@@ -24,12 +24,14 @@ def _mount_subcommands() -> None:
     from tessera.hardware.cli import register as register_hardware
     from tessera.plan.cli import register as register_plan
     from tessera.runtime.cli import register as register_run
+    from tessera.sim.cli import register as register_simulate
 
     app.add_typer(ptx_app, name="ptx", help="Analyse and instrument PTX of opaque kernels.")
     register_hardware(app)
     register_cost(app)
     register_plan(app)
     register_run(app)
+    register_simulate(app)
 
 
 _mount_subcommands()

@@ -74,12 +74,23 @@ class Region:
 
     def starts(self) -> np.ndarray:
         """Sorted start byte of every contiguous run."""
-        start, dims, _ = self.runs
+        start, dims, width = self.runs
         acc = np.array([start], dtype=np.int64)
         for n, st in dims:
             acc = (acc[:, None] + np.arange(n, dtype=np.int64)[None, :] * st).reshape(-1)
-        acc.sort()
+        if not self._nested(dims, width):
+            acc.sort()
         return acc
+
+    @staticmethod
+    def _nested(dims: tuple[tuple[int, int], ...], width: int) -> bool:
+        """Whether every dimension's stride clears everything inside it (runs enumerate in sorted order)."""
+        inner = width
+        for n, st in reversed(dims):
+            if st < inner:
+                return False
+            inner += (n - 1) * st
+        return True
 
 
 def regions_overlap(a: Region, b: Region) -> bool:

@@ -21,6 +21,27 @@ def _ms(t: float) -> str:
     return f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"
 
 
+def make_context(model: str, cluster: str, workload: str | None, max_batch: int | None, prices: str,
+                 weights_dtype: str, kv_dtype: str, skew: float, **kwargs):
+    """The PlanContext of the shared plan / simulate options (the family's default workload when None),
+    with progress lines on stderr; clear errors for bad options."""
+    from tessera.capture.models import resolve_model
+    from tessera.cost.options import CostOptions
+    from tessera.hardware.cluster import parse_cluster
+    from tessera.plan.context import PlanContext
+    from tessera.workload import parse_workload
+
+    if prices not in ("relative", "cloud_usd"):
+        raise TesseraError(f"--prices must be relative or cloud_usd (got {prices!r})")
+    if max_batch is not None and max_batch < 1:
+        raise TesseraError(f"--max-batch must be at least 1 (got {max_batch})")
+    family = resolve_model(model).family
+    text = workload or ("images:steps=28,resolution=1024" if family == "diffusion" else DEFAULT_WORKLOAD)
+    return PlanContext(model, parse_cluster(cluster), parse_workload(text), text, max_batch,
+                       CostOptions(weights_dtype, kv_dtype), routing_skew=skew, price_scenario=prices,
+                       progress=lambda s: _err.print(f"[dim]{s}[/]"), **kwargs)
+
+
 def plan(
     model: str = opt.MODEL,
     cluster: str = typer.Option(..., "--cluster", help="Devices: shorthand such as A100:1,L40S:1 or a cluster "
@@ -49,36 +70,22 @@ def plan(
     as_json: bool = opt.JSON,
 ) -> None:
     """Plan a deployment: place every kernel on the device type that suits it (or solve a baseline policy)."""
-    from tessera.cost.options import CostOptions
-    from tessera.hardware.cluster import parse_cluster
-    from tessera.plan.context import PlanContext
     from tessera.plan.figure import placement_figure
     from tessera.plan.planner import compare as compare_all
     from tessera.plan.planner import plan_policy
     from tessera.plan.policies import check_policy
     from tessera.plan.problem import OBJECTIVES
     from tessera.plan.steps import add_objective_steps
-    from tessera.workload import parse_workload
 
     try:
         check_policy(policy)
         if objective not in OBJECTIVES:
             raise TesseraError(f"--objective must be one of {', '.join(OBJECTIVES)} (got {objective!r})")
-        if prices not in ("relative", "cloud_usd"):
-            raise TesseraError(f"--prices must be relative or cloud_usd (got {prices!r})")
-        if max_batch is not None and max_batch < 1:
-            raise TesseraError(f"--max-batch must be at least 1 (got {max_batch})")
         if cache_ctx is not None and cache_ctx < 1:
             raise TesseraError(f"--ctx must be at least 1 (got {cache_ctx})")
-        from tessera.capture.models import resolve_model
-
-        family = resolve_model(model).family
-        text = workload or ("images:steps=28,resolution=1024" if family == "diffusion" else DEFAULT_WORKLOAD)
-        wl = parse_workload(text)
-        cl = parse_cluster(cluster)
-        ctx = PlanContext(model, cl, wl, text, max_batch, CostOptions(weights_dtype, kv_dtype), routing_skew=skew,
-                          price_scenario=prices, progress=lambda s: _err.print(f"[dim]{s}[/]"), cache_ctx=cache_ctx,
-                          split_experts=expert_split)
+        ctx = make_context(model, cluster, workload, max_batch, prices, weights_dtype, kv_dtype, skew,
+                           cache_ctx=cache_ctx, split_experts=expert_split)
+        text, cl = ctx.workload_text, ctx.cluster
         _err.print(f"[dim]planning {model} on {cl.describe()} for {text}[/]")
         if compare:
             plans = compare_all(ctx, objective)

@@ -200,7 +200,7 @@ class PlanContext:
                      expert_parts: int = 1) -> StepProblem:
         """The phase's unfolded placement problem over ``targets`` (cached; ``expert_parts`` > 1 splits
         every grouped expert GEMM into expert groups plus a combine)."""
-        key = (phase.phase, phase.batch, micro_batches, tuple(t.members for t in targets), expert_parts)
+        key = (phase, micro_batches, tuple(t.members for t in targets), expert_parts)
         if key not in self._problems:
             graph = self.graph(phase, micro_batches)
             sp = build_step_problem(graph, targets, self.cluster, micro_batches=micro_batches, options=self.options,
@@ -211,7 +211,7 @@ class PlanContext:
 
     def folded(self, phase: PhaseSpec, targets: list[Target], micro_batches: int = 1, expert_parts: int = 1) -> Merged:
         """The phase's problem with identical layers folded into ``fold_chunks`` runs per class (cached)."""
-        key = (phase.phase, phase.batch, micro_batches, tuple(t.members for t in targets), expert_parts)
+        key = (phase, micro_batches, tuple(t.members for t in targets), expert_parts)
         if key not in self._folded:
             sp = self.step_problem(phase, targets, micro_batches, expert_parts)
             try:

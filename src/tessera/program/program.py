@@ -228,8 +228,8 @@ def build_programs(graph: KernelGraph, placement: list[int], devices: list[str],
             elif kind == "state":
                 state[d].add(a.buffer)
                 held[a.buffer][d] = Ranges(((0, graph.buffers[a.buffer].nbytes),))
-            if a.mode == "read":
-                need(d, k, a.buffer, Ranges.region(a.region))
+            if a.mode == "read" and not (kind in ("activation", "output") and held[a.buffer].keys() <= {d}):
+                need(d, k, a.buffer, Ranges.region(a.region))  # (bytes only this device wrote need nothing)
         for a in accesses[k]:
             if kinds[a.buffer] in STATIC_KINDS or a.mode == "read":
                 continue

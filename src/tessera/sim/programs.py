@@ -91,3 +91,145 @@ def simulate_programs(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | 
     if stuck:
         raise SimulationError(f"the programs cannot finish: {', '.join(stuck)} wait for messages never sent")
     return ProgramTimeline(max(clock, default=0.0), clock, busy, link_busy, events)
+
+
+@dataclass
+class StreamTimeline:
+    """Steps streamed back to back (the runtime's ``stream``): when each (micro-batch, step) job was back at
+    the driver, each device's kernel time, and the steady-state period between steps."""
+
+    done_s: dict[tuple[int, int], float]  # (micro-batch, step) -> when every device had finished it
+    busy_s: list[float]
+    link_busy_s: dict[tuple[int, int], float]
+    steps: int
+    micro_batches: int
+
+    @property
+    def makespan_s(self) -> float:
+        return max(self.done_s.values(), default=0.0)
+
+    @property
+    def first_step_s(self) -> float:
+        """When every micro-batch of the first step was back (fill and drain included)."""
+        return max(self.done_s[(m, 0)] for m in range(self.micro_batches))
+
+    @property
+    def period_s(self) -> float:
+        """Seconds per step once the pipeline is full: the time between the last step's and the first step's
+        completions, over the steps in between."""
+        if self.steps < 2:
+            return self.first_step_s
+        last = max(self.done_s[(m, self.steps - 1)] for m in range(self.micro_batches))
+        return (last - self.first_step_s) / (self.steps - 1)
+
+
+def simulate_stream(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | None = None, steps: int = 4,
+                    feedback_s: float = 0.0) -> StreamTimeline:
+    """``steps`` steps of ``sp`` streamed as the runtime streams them: every device takes jobs (one
+    micro-batch of one step: its instructions for that micro-batch, in order) first come first served;
+    micro-batch m's step i+1 is queued on every device ``feedback_s`` after all devices finished its step i
+    (the driver's round trip). Sends, receives and links behave as in :func:`simulate_programs`; events are
+    processed in time order, so links serve messages in the order they are sent."""
+    import heapq
+
+    n, count = len(sp.programs), sp.micro_batches
+    if steps < 1:
+        raise SimulationError(f"steps must be at least 1 (got {steps})")
+    jobs_of = [[[ins for ins in prog.instructions if ins.microbatch == m] for m in range(count)]
+               for prog in sp.programs]
+    members = {m: [d for d in range(n) if jobs_of[d][m]] for m in range(count)}
+    queue: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n)]  # per device: (ready, order, m, step)
+    events: list[tuple[float, int, int, int]] = []  # (time, order, device, token)
+    token = [0] * n  # a device's newest event; older ones are stale
+    wake = [None] * n  # when an idle device next looks at its queue (None: nothing queued)
+    clock = [0.0] * n
+    busy = [0.0] * n
+    current: list[list[int] | None] = [None] * n  # [m, step, position]
+    blocked: dict[tuple[int, int], int] = {}  # (step, transfer) -> the device waiting for it
+    arrival: dict[tuple[int, int], float] = {}
+    link_free: dict[tuple[int, int], float] = {}
+    link_busy: dict[tuple[int, int], float] = {}
+    left: dict[tuple[int, int], int] = {}
+    done: dict[tuple[int, int], float] = {}
+    counter = 0
+
+    def schedule(d: int, at: float) -> None:
+        nonlocal counter
+        token[d] += 1
+        counter += 1
+        heapq.heappush(events, (at, counter, d, token[d]))
+
+    def enqueue(m: int, i: int, at: float) -> None:
+        nonlocal counter
+        left[(m, i)] = len(members[m])
+        if not members[m]:
+            done[(m, i)] = at
+        for d in members[m]:
+            counter += 1
+            heapq.heappush(queue[d], (at, counter, m, i))
+            if current[d] is None and (wake[d] is None or at < wake[d]):
+                wake[d] = max(at, clock[d])
+                schedule(d, wake[d])
+
+    for m in range(count):
+        enqueue(m, 0, 0.0)
+    while events:
+        now, _, d, tok = heapq.heappop(events)
+        if tok != token[d]:
+            continue
+        clock[d] = max(clock[d], now)
+        if current[d] is None:
+            wake[d] = None
+            if not queue[d]:
+                continue
+            if queue[d][0][0] > clock[d]:
+                wake[d] = queue[d][0][0]
+                schedule(d, wake[d])
+                continue
+            _, _, m, i = heapq.heappop(queue[d])
+            current[d] = [m, i, 0]
+        m, i, p = current[d]
+        job = jobs_of[d][m]
+        if p == len(job):
+            current[d] = None
+            left[(m, i)] -= 1
+            if left[(m, i)] == 0:
+                done[(m, i)] = clock[d]
+                if i + 1 < steps:
+                    enqueue(m, i + 1, clock[d] + feedback_s)
+            if current[d] is None and token[d] == tok:  # not woken by its own enqueue: look at the queue now
+                schedule(d, clock[d])
+            continue
+        ins = job[p]
+        if ins.kind == "recv" and (i, ins.transfer) not in arrival:
+            blocked[(i, ins.transfer)] = d
+            continue
+        if ins.kind == "run":
+            t = kernel_time(d, ins.kernel, m)
+            clock[d] += t
+            busy[d] += t
+        elif ins.kind == "send":
+            tr = sp.transfers[ins.transfer]
+            key = (i, ins.transfer)
+            if link is None:
+                arrival[key] = clock[d]
+            else:
+                lk = link(tr.src, tr.dst)
+                pair = (tr.src, tr.dst)
+                begin = max(clock[d], link_free.get(pair, 0.0))
+                wire = tr.nbytes / lk.bandwidth
+                link_free[pair] = begin + wire
+                link_busy[pair] = link_busy.get(pair, 0.0) + wire
+                arrival[key] = begin + wire + lk.latency_s
+            if key in blocked:
+                r = blocked.pop(key)
+                schedule(r, max(clock[r], arrival[key]))
+        elif ins.kind == "recv":
+            clock[d] = max(clock[d], arrival[(i, ins.transfer)])
+        current[d][2] = p + 1
+        schedule(d, clock[d])
+    if len(done) != count * steps:
+        stuck = sorted({sp.devices[d] for d in blocked.values()})
+        raise SimulationError(f"the streamed programs cannot finish: {', '.join(stuck) or 'some devices'} wait for "
+                              "messages never sent")
+    return StreamTimeline(done, busy, link_busy, steps, count)

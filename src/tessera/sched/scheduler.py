@@ -1,0 +1,268 @@
+"""The batching Scheduler: admission, state slots, static shape buckets and which requests join a step.
+
+One module, two users: the simulator's request level (:mod:`tessera.sim.requests`) and the serving
+engine make every batching decision here, so a prediction and a served run batch the same way.
+
+A request goes through its family's stages in order (``stages_for``): for an LLM ``prefill`` (one
+request per step, its whole prompt) then ``decode`` (one token per step, rows of many requests share
+a step); a vision-language model first ``encode``s its image; a diffusion request is ``encode`` (text
+encoders), ``step`` (the denoising steps, batched across images) and ``decode`` (VAE). A request
+holds a state slot (its KV / conv / SSM cache rows, or its latents) from the start of its first stage
+to the end of its last, so at most ``slots`` requests are in flight; the others wait in arrival order.
+
+Steps never mix stages: a prefill step and a decode step are different step plans (possibly on
+different devices, as prefill-decode disaggregation places them), each traced at static shapes. A
+step's shape is its bucket: the rows rounded up to a batch bucket, the prompt rounded up to a
+sequence bucket, the longest context rounded up to a context bucket. No chunked prefill: a prompt is
+one step, which keeps each step one graph at one static shape.
+
+Priorities: among the stages a lane may run, single-request stages go first (the first one admits new
+work, so slots freed by finished requests are filled at once; a finished diffusion image is decoded at
+once), then the batched stage runs every request that is ready for it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tessera.errors import TesseraError
+
+DEFAULT_MAX_CONTEXT = 8192
+
+
+class SchedulerError(TesseraError, ValueError):
+    """A scheduler set up with impossible limits (no slots, empty buckets, unknown stages)."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a request: its phase, whether rows of many requests share its steps, and how many
+    steps a request takes in it (``None``: the request's own count, e.g. its output tokens - 1)."""
+
+    phase: str
+    batched: bool
+    steps: int | None = 1
+
+
+def stages_for(family: str, denoising_steps: int = 28) -> tuple[Stage, ...]:
+    """A family's stages in order."""
+    if family == "diffusion":
+        return (Stage("encode", False), Stage("step", True, denoising_steps), Stage("decode", False))
+    text = (Stage("prefill", False), Stage("decode", True, None))
+    return (Stage("encode", False), *text) if family == "vlm" else text
+
+
+def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2 lo, 4 lo, ... up to the first value >= hi (hi itself when it is not a power of two times lo)."""
+    out, v = [], max(1, lo)
+    while v < hi:
+        out.append(v)
+        v *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The static shapes steps run at: rows per batched step, prompt lengths, cache contexts."""
+
+    batch: tuple[int, ...]
+    seq: tuple[int, ...] = ()
+    ctx: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "seq", "ctx"):
+            values = getattr(self, name)
+            if list(values) != sorted(set(values)) or any(v < 1 for v in values):
+                raise SchedulerError(f"{name} buckets must be positive and strictly increasing (got {values})")
+        if not self.batch:
+            raise SchedulerError("at least one batch bucket is needed")
+
+    @staticmethod
+    def default(max_batch: int, max_context: int | None = None, min_seq: int = 128) -> Buckets:
+        """Powers of two: rows 1 .. max_batch, prompts min_seq .. max_context, contexts 2 min_seq .. max_context."""
+        if max_context is None:
+            return Buckets(powers_of_two(1, max_batch))
+        return Buckets(powers_of_two(1, max_batch), powers_of_two(min_seq, max_context),
+                       powers_of_two(min(2 * min_seq, max_context), max_context))
+
+    @staticmethod
+    def _fit(values: tuple[int, ...], n: int, what: str) -> int:
+        for v in values:
+            if v >= n:
+                return v
+        raise SchedulerError(f"{what} {n} is above the largest bucket ({values[-1] if values else 'none'})")
+
+    def rows(self, n: int) -> int:
+        return self._fit(self.batch, n, "rows")
+
+    def prompt(self, n: int) -> int:
+        return self._fit(self.seq, n, "prompt length") if self.seq else n
+
+    def context(self, n: int) -> int:
+        return self._fit(self.ctx, n, "context") if self.ctx else n
+
+
+@dataclass(eq=False)
+class Request:
+    """One request as the scheduler sees it. ``output`` is the number of tokens to generate (images: 1);
+    serving may end a request earlier (stop strings) with :meth:`Scheduler.finish`."""
+
+    id: int | str
+    arrival_s: float
+    input: int = 0
+    output: int = 1
+    stage: int = -1  # index into the stages; -1: waiting for a slot
+    left: int = 0  # steps left in the current stage
+    slot: int | None = None
+    ready_s: float = 0.0  # when it may take its next step (after a state move, for instance)
+    generated: int = 0
+    first_output_s: float | None = None
+    finish_s: float | None = None
+    busy_s: float = 0.0  # the durations of the steps it took part in
+    rejected: str | None = None
+
+    @property
+    def context(self) -> int:
+        """Tokens in its cache once the next token is generated."""
+        return self.input + self.generated
+
+
+@dataclass
+class ScheduledStep:
+    """What the next step runs: one stage's phase for these requests at this bucket."""
+
+    phase: str
+    requests: list[Request]
+    rows: int  # bucket rows (>= len(requests))
+    seq: int | None = None  # prompt bucket (prefill)
+    ctx: int | None = None  # context bucket
+
+    @property
+    def bucket(self) -> tuple[str, int, int | None, int | None]:
+        return (self.phase, self.rows, self.seq, self.ctx)
+
+
+@dataclass
+class Scheduler:
+    """Admission, slots and step decisions for one replica of a deployment (see the module docstring)."""
+
+    stages: tuple[Stage, ...]
+    slots: int
+    buckets: Buckets
+    max_context: int | None = DEFAULT_MAX_CONTEXT
+    max_queue: int | None = None  # waiting requests beyond this are rejected (None: unbounded)
+    waiting: deque[Request] = field(default_factory=deque)
+    running: list[Request] = field(default_factory=list)
+    done: list[Request] = field(default_factory=list)
+    rejected: list[Request] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise SchedulerError(f"a scheduler needs at least one slot (got {self.slots})")
+        if not self.stages or sum(s.batched for s in self.stages) > 1:
+            raise SchedulerError("a request needs stages, at most one of them batched")
+        self._free = list(range(self.slots - 1, -1, -1))
+
+    @property
+    def phases(self) -> list[str]:
+        return [s.phase for s in self.stages]
+
+    def submit(self, req: Request) -> bool:
+        """Queue a request, or reject it (reason in ``req.rejected``) when it can never run."""
+        reason = None
+        if req.output < 1:
+            reason = f"asks for {req.output} outputs; at least 1 is needed"
+        elif self.max_context is not None and req.input + req.output > self.max_context:
+            reason = (f"needs a context of {req.input + req.output} tokens (prompt {req.input} + output "
+                      f"{req.output}), above the deployment's {self.max_context}")
+        elif self.max_queue is not None and len(self.waiting) >= self.max_queue:
+            reason = f"the queue is full ({self.max_queue} waiting)"
+        if reason is not None:
+            req.rejected = reason
+            self.rejected.append(req)
+            return False
+        self.waiting.append(req)
+        return True
+
+    def _steps_in(self, stage: Stage, req: Request) -> int:
+        return stage.steps if stage.steps is not None else req.output - 1
+
+    def _enter(self, req: Request, index: int) -> None:
+        """Move ``req`` to stage ``index`` (skipping stages it needs no steps of), or finish it."""
+        while index < len(self.stages) and self._steps_in(self.stages[index], req) <= 0:
+            index += 1
+        req.stage = index
+        if index < len(self.stages):
+            req.left = self._steps_in(self.stages[index], req)
+
+    def pending(self) -> int:
+        """Requests not finished yet (waiting or running)."""
+        return len(self.waiting) + len(self.running)
+
+    def next_step(self, now: float, phases: set[str] | None = None) -> ScheduledStep | None:
+        """The step to run now among ``phases`` (all when None), or None when nothing is ready."""
+        allowed = set(self.phases) if phases is None else phases
+        order = [i for i, s in enumerate(self.stages) if not s.batched] + \
+            [i for i, s in enumerate(self.stages) if s.batched]
+        for i in order:
+            stage = self.stages[i]
+            if stage.phase not in allowed:
+                continue
+            if stage.batched:
+                rows = [r for r in self.running if r.stage == i and r.ready_s <= now]
+                if rows:
+                    rows = rows[: self.buckets.batch[-1]]
+                    ctx = self.buckets.context(max(r.context for r in rows)) if self.buckets.ctx else None
+                    return ScheduledStep(stage.phase, rows, self.buckets.rows(len(rows)), None, ctx)
+                continue
+            ready = [r for r in self.running if r.stage == i and r.ready_s <= now]
+            if not ready and i == 0 and self.waiting and self._free and self.waiting[0].arrival_s <= now:
+                req = self.waiting.popleft()
+                req.slot = self._free.pop()
+                self._enter(req, 0)
+                self.running.append(req)
+                ready = [req] if req.stage == 0 else []
+            if ready:
+                req = min(ready, key=lambda r: (r.ready_s, r.arrival_s))
+                seq = self.buckets.prompt(req.input) if stage.phase == "prefill" and self.buckets.seq else None
+                ctx = self.buckets.context(req.input) if stage.phase == "prefill" and self.buckets.ctx else None
+                return ScheduledStep(stage.phase, [req], 1, seq, ctx)
+        return None
+
+    def complete(self, step: ScheduledStep, start_s: float, end_s: float,
+                 delays: dict[str, float] | None = None) -> list[Request]:
+        """Account a finished step (every request in it advanced one step); ``delays[phase]`` holds a
+        request back before its next stage's phase (a state move). Returns the requests that finished."""
+        finished = []
+        for req in step.requests:
+            req.busy_s += end_s - start_s
+            stage = self.stages[req.stage]
+            if stage.phase in ("prefill", "decode"):  # a token (an image, for the VAE decode of diffusion)
+                req.generated += 1
+                if req.first_output_s is None:
+                    req.first_output_s = end_s
+            req.left -= 1
+            req.ready_s = end_s
+            if req.left <= 0:
+                self._enter(req, req.stage + 1)
+                if req.stage < len(self.stages):
+                    req.ready_s = end_s + (delays or {}).get(self.stages[req.stage].phase, 0.0)
+            if req.stage >= len(self.stages):
+                finished.append(req)
+        for req in finished:
+            self.finish(req, end_s)
+        return finished
+
+    def finish(self, req: Request, now: float) -> None:
+        """End a request (its last step, a stop string, a client gone): free its slot."""
+        if req in self.running:
+            self.running.remove(req)
+            self._free.append(req.slot)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.finish_s = now
+        if req.first_output_s is None:
+            req.first_output_s = now
+        self.done.append(req)

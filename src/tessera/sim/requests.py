@@ -1,0 +1,263 @@
+"""Request level of the cluster simulator: arrivals, admission, continuous batching and state slots,
+decided by the same :class:`~tessera.sched.scheduler.Scheduler` the serving engine uses, with every step
+timed at the kernel level (:class:`~tessera.sim.steps.StepTimer`).
+
+A deployment runs as replicas (engines). Each engine has its own scheduler (slots = its step plan's
+batch) and lanes: phases whose step plans use disjoint targets run concurrently (prefill-decode
+disaggregation), phases sharing a target take turns. A step occupies its lane for the step's time at
+its bucket: alone (``first_s``) after a pause or a change of bucket, or the streamed period when the
+same bucket runs again back to back. An explicit state move between phases (KV after a prefill on
+another device) holds the request back by the move's time. Arrivals go to the engine with the least
+outstanding work for its speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tessera.errors import TesseraError
+from tessera.plan.context import PlanContext
+from tessera.plan.deployment import DeploymentPlan, StepPlan
+from tessera.plan.targets import Target, cluster_targets
+from tessera.sched.scheduler import DEFAULT_MAX_CONTEXT, Buckets, Request, ScheduledStep, Scheduler, stages_for
+from tessera.sim.steps import StepTimer
+from tessera.workload import FixedWorkload, ImagesWorkload, PoissonWorkload, Workload
+
+
+class SimulationSetupError(TesseraError):
+    """A plan the simulator cannot run (not applicable, does not fit, unknown targets)."""
+
+
+@dataclass
+class Lane:
+    """Phases that share targets, so their steps take turns."""
+
+    phases: set[str]
+    busy_until: float = 0.0
+    step: ScheduledStep | None = None
+    start_s: float = 0.0
+    last_bucket: tuple | None = None
+    busy_s: float = 0.0
+
+
+@dataclass
+class Engine:
+    """One replica: its scheduler, step timer, lanes and delays between phases (state moves)."""
+
+    name: str
+    scheduler: Scheduler
+    timer: StepTimer
+    lanes: list[Lane]
+    speed: float
+    delays: dict[str, float] = field(default_factory=dict)
+    steps: int = 0
+
+
+def arrivals(workload: Workload, seed: int = 0) -> list[Request]:
+    """The workload's requests with arrival times and lengths (deterministic for a seed)."""
+    if isinstance(workload, FixedWorkload):
+        return [Request(i, 0.0, workload.input, workload.output) for i in range(workload.requests)]
+    if isinstance(workload, ImagesWorkload):
+        return [Request(i, 0.0, 0, 1) for i in range(workload.requests)]
+    assert isinstance(workload, PoissonWorkload)
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(rng.exponential(1.0 / workload.rate, size=workload.requests))
+    lengths = workload.lengths.sample(workload.requests, seed)
+    return [Request(i, float(t), a, b) for i, (t, (a, b)) in enumerate(zip(times, lengths, strict=True))]
+
+
+def _match_targets(ctx: PlanContext, names: list[str], replicas: int, types: list[str] | None) -> list[Target]:
+    offered = {t.name: t for t in cluster_targets(ctx.cluster, replicas, types)}
+    missing = [n for n in names if n not in offered]
+    if missing:
+        raise SimulationSetupError(f"the plan's targets {', '.join(missing)} are not in cluster "
+                                   f"{ctx.cluster.describe()} (it offers {', '.join(offered)}); plan for this cluster")
+    return [offered[n] for n in names]
+
+
+def _lanes(steps: list[StepPlan]) -> list[Lane]:
+    """Phases grouped so that phases whose targets overlap share a lane."""
+    groups: list[tuple[set[str], set[int]]] = []
+    for s in steps:
+        used = set(s.assignment) | {t for parts in s.expert_parts.values() for t in parts}
+        merged = [g for g in groups if g[1] & used]
+        phases, targets = {s.phase}, set(used)
+        for g in merged:
+            groups.remove(g)
+            phases |= g[0]
+            targets |= g[1]
+        groups.append((phases, targets))
+    return [Lane(p) for p, _ in groups]
+
+
+def _delays(plan: DeploymentPlan, steps: list[StepPlan]) -> dict[str, float]:
+    """Per phase, the state moves a request waits for before its first step of that phase."""
+    out: dict[str, float] = {}
+    for s in steps:
+        used = set(s.assignment)
+        out[s.phase] = sum(mv.seconds_per_request for mv in plan.state_moves if mv.dst in used and mv.src not in used)
+    return out
+
+
+def _timer(ctx: PlanContext, steps: list[StepPlan], targets: list[Target], feedback_s: float) -> StepTimer:
+    """The step timer of these step plans on these targets, shared by every simulation in ``ctx`` (a rate
+    sweep times each bucket once)."""
+    timers = ctx.__dict__.setdefault("_step_timers", {})
+    key = (tuple(t.members for t in targets), feedback_s,
+           tuple((s.phase, s.graph_hash, s.micro_batches, tuple(s.assignment), str(sorted(s.expert_parts.items())))
+                 for s in steps))
+    if key not in timers:
+        timers[key] = StepTimer(ctx, steps, targets, feedback_s)
+    return timers[key]
+
+
+def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throughput",
+                max_context: int | None = DEFAULT_MAX_CONTEXT, feedback_s: float = 0.0) -> list[Engine]:
+    """The replicas that serve ``plan``, each with its scheduler and step timer."""
+    if not plan.applicable:
+        raise SimulationSetupError(f"{plan.policy} does not apply to {plan.model}: {plan.reason}")
+    if not plan.feasible:
+        raise SimulationSetupError(f"the {plan.policy} plan is not feasible: {plan.reason}")
+    parts: list[tuple[str, int, list[Target], list[StepPlan], float]] = []
+    summaries = plan.extra.get("replicas")
+    if summaries:  # request-dist: each device type's own replicas
+        for part in summaries:
+            steps = [s for s in plan.steps if s.objective == objective and s.solver.get("replica_of") == part["device"]]
+            targets = _match_targets(ctx, part["targets"], part["replicas"], [part["device"]])
+            parts.append((part["device"], part["replicas"], targets, steps, part["throughput"] / part["replicas"]))
+    else:
+        steps = [s for s in plan.steps if s.objective == objective]
+        types = [plan.device] if plan.device else None
+        targets = _match_targets(ctx, plan.targets, plan.replicas, types)
+        parts.append((plan.policy, plan.replicas, targets, steps, plan.throughput / max(plan.replicas, 1)))
+    family = ctx.spec.family
+    denoise = ctx.workload.steps if isinstance(ctx.workload, ImagesWorkload) else 28
+    engines = []
+    for name, count, targets, steps, speed in parts:
+        if not steps:
+            raise SimulationSetupError(f"the {plan.policy} plan has no {objective} step plans")
+        timer = _timer(ctx, steps, targets, feedback_s)
+        main = max(steps, key=lambda s: s.repeats)
+        for r in range(count):
+            buckets = Buckets.default(main.batch, None if family == "diffusion" else max_context)
+            sched = Scheduler(stages_for(family, denoise), main.batch, buckets,
+                              None if family == "diffusion" else max_context)
+            engines.append(Engine(f"{name}#{r}" if count > 1 else name, sched, timer, _lanes(steps), speed,
+                                  _delays(plan, steps)))
+    return engines
+
+
+@dataclass
+class SimResult:
+    """What a simulated run achieved, and every request's times."""
+
+    model: str
+    policy: str
+    workload: str
+    unit: str
+    throughput: float
+    makespan_s: float
+    completed: int
+    rejected: int
+    ttft_s: list[float]
+    tpot_s: list[float]
+    latency_s: list[float]  # end to end per request
+    norm_latency_s: float  # mean of end-to-end latency / outputs
+    steps: int
+    lane_busy_s: dict[str, float]
+    rejections: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def _pct(values: list[float], q: float) -> float | None:
+        return float(np.percentile(values, q)) if values else None
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON of ``tessera simulate --json``."""
+        return {"model": self.model, "policy": self.policy, "workload": self.workload, "unit": self.unit,
+                "throughput": self.throughput, "makespan_s": self.makespan_s,
+                "ttft_p50_s": self._pct(self.ttft_s, 50), "ttft_p99_s": self._pct(self.ttft_s, 99),
+                "tpot_p50_s": self._pct(self.tpot_s, 50), "tpot_p99_s": self._pct(self.tpot_s, 99),
+                "latency_p50_s": self._pct(self.latency_s, 50), "norm_latency_s": self.norm_latency_s,
+                "completed": self.completed, "rejected": self.rejected, "steps": self.steps,
+                "lane_busy_s": self.lane_busy_s, "rejections": self.rejections[:5]}
+
+
+def _route(engines: list[Engine], req: Request) -> Engine:
+    return min(engines, key=lambda e: ((e.scheduler.pending() + 1) / max(e.speed, 1e-12), e.name))
+
+
+def _duration(engine: Engine, lane: Lane, step: ScheduledStep, now: float) -> float:
+    t = engine.timer.time(step.phase, step.rows, step.seq, step.ctx)
+    streaming = lane.last_bucket == step.bucket and lane.busy_until >= now
+    return t.period_s if streaming else t.first_s
+
+
+def run_requests(engines: list[Engine], requests: list[Request], progress=None) -> list[Request]:
+    """Serve ``requests`` on ``engines`` to the end; returns them with their times filled in."""
+    pending = sorted(requests, key=lambda r: (r.arrival_s, str(r.id)))
+    nxt = 0
+    now = 0.0
+    total = len(pending)
+    reported = 0
+    while True:
+        # finish steps that end now
+        for e in engines:
+            for lane in e.lanes:
+                if lane.step is not None and lane.busy_until <= now:
+                    e.scheduler.complete(lane.step, lane.start_s, lane.busy_until, e.delays)
+                    lane.step = None
+        while nxt < total and pending[nxt].arrival_s <= now:
+            _route(engines, pending[nxt]).scheduler.submit(pending[nxt])
+            nxt += 1
+        for e in engines:
+            for lane in e.lanes:
+                if lane.step is not None:
+                    continue
+                step = e.scheduler.next_step(now, lane.phases)
+                if step is None:
+                    continue
+                dur = _duration(e, lane, step, now)
+                lane.step, lane.start_s, lane.busy_until, lane.last_bucket = step, now, now + dur, step.bucket
+                lane.busy_s += dur
+                e.steps += 1
+        candidates = [lane.busy_until for e in engines for lane in e.lanes if lane.step is not None]
+        if nxt < total:
+            candidates.append(pending[nxt].arrival_s)
+        candidates += [r.ready_s for e in engines for r in e.scheduler.running if r.ready_s > now]
+        if not candidates:
+            break
+        now = max(now, min(candidates))
+        done = sum(len(e.scheduler.done) + len(e.scheduler.rejected) for e in engines)
+        if progress is not None and done >= reported + max(1, total // 20):
+            reported = done
+            progress(done, total)
+    stuck = [r for e in engines for r in [*e.scheduler.waiting, *e.scheduler.running]]
+    if stuck:
+        raise SimulationSetupError(f"{len(stuck)} requests never finished (first: {stuck[0].id}); the deployment "
+                                   "cannot serve them")
+    return requests
+
+
+def simulate(ctx: PlanContext, plan: DeploymentPlan, seed: int = 0, objective: str = "throughput",
+             max_context: int | None = DEFAULT_MAX_CONTEXT, feedback_s: float = 0.0, progress=None,
+             workload: Workload | None = None) -> SimResult:
+    """Serve ``workload`` (default: ``ctx``'s) with ``plan``: every arrival completes or is rejected.
+    ``progress(done, total)`` is called as requests finish."""
+    engines = engines_for(ctx, plan, objective, max_context, feedback_s)
+    requests = run_requests(engines, arrivals(workload or ctx.workload, seed), progress)
+    served = [r for r in requests if r.rejected is None]
+    rejected = [r for r in requests if r.rejected is not None]
+    start = min((r.arrival_s for r in requests), default=0.0)
+    end = max((r.finish_s for r in served), default=start)
+    makespan = end - start
+    outputs = sum(r.generated if ctx.unit == "tokens/s" else 1 for r in served)
+    tpot = [(r.finish_s - r.first_output_s) / (r.output - 1) for r in served if r.output > 1]
+    lanes = {f"{e.name}:{'+'.join(sorted(lane.phases))}": lane.busy_s for e in engines for lane in e.lanes}
+    return SimResult(plan.model, plan.policy, plan.workload, ctx.unit, outputs / makespan if makespan > 0 else 0.0,
+                     makespan, len(served), len(rejected), [r.first_output_s - r.arrival_s for r in served], tpot,
+                     [r.finish_s - r.arrival_s for r in served],
+                     float(np.mean([(r.finish_s - r.arrival_s) / r.output for r in served])) if served else 0.0,
+                     sum(e.steps for e in engines), lanes, [f"request {r.id}: {r.rejected}" for r in rejected])

@@ -1,0 +1,135 @@
+"""Kernel level of the cluster simulator: a deployment's step at a static shape bucket, timed by running
+the runtime's own programs (:mod:`tessera.program.program`) through the discrete-event engine of
+:mod:`tessera.sim.programs` with the cost model's kernel times and the cluster's links.
+
+A step plan places the kernels of its phase's graph; at another bucket (fewer rows, a longer context)
+the graph has the same kernels at other shapes, so the same placement applies: the graph is traced at
+the bucket, every kernel is timed on its target, the programs are built (exact bytes per transfer) and
+run, once alone and streamed back to back. Results are cached per (phase, bucket, M).
+
+MoE expert splits (a grouped expert GEMM spread over targets) have no program form yet (the runtime
+does not run them): the kernel runs on its combine's target, taking the slowest part's time plus the
+combine, as the parts run in parallel; the parts' token transfers are not in the programs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from tessera.errors import TesseraError
+from tessera.hardware.cluster import Link
+from tessera.plan.context import PhaseSpec, PlanContext
+from tessera.plan.deployment import StepPlan
+from tessera.plan.targets import Target, link_between
+from tessera.program.program import StepPrograms, build_programs
+from tessera.sim.programs import simulate_programs, simulate_stream
+
+STREAM_STEPS = 4  # steps streamed to measure the steady-state period
+
+
+class StepTimingError(TesseraError):
+    """A step plan that cannot be applied to a bucket's graph."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step at one bucket: ``first_s`` alone (every micro-batch, fill and drain), ``period_s`` per step
+    when steps of this bucket stream back to back, kernel seconds per target, bytes cut per step."""
+
+    phase: str
+    rows: int
+    seq: int | None
+    ctx: int | None
+    micro_batches: int
+    first_s: float
+    period_s: float
+    busy_s: tuple[float, ...]
+    cut_bytes: int
+    targets: tuple[int, ...]  # the targets the step's kernels run on
+
+
+class StepTimer:
+    """Times one deployment's steps at any bucket (cached). ``targets`` are the replica's targets the step
+    plans index; ``feedback_s`` is the driver's round trip between a step's outputs and the next inputs."""
+
+    def __init__(self, ctx: PlanContext, steps: list[StepPlan], targets: list[Target], feedback_s: float = 0.0):
+        self.ctx = ctx
+        self.steps = {s.phase: s for s in steps}
+        self.targets = targets
+        self.feedback_s = feedback_s
+        self._cache: dict[tuple, StepTime] = {}
+        self._programs: dict[tuple, StepPrograms] = {}
+
+    def phase_spec(self, phase: str, rows: int, seq: int | None, ctx: int | None) -> PhaseSpec:
+        base = next((p for p in self.ctx.phases if p.phase == phase), None)
+        if base is None:
+            raise StepTimingError(f"{self.ctx.model} has no phase {phase!r} (phases: "
+                                  f"{', '.join(p.phase for p in self.ctx.phases)})")
+        return replace(base, batch=rows, seq=seq if seq is not None else base.seq,
+                       ctx=ctx if ctx is not None else base.ctx)
+
+    def micro_batches(self, phase: str, rows: int) -> int:
+        """The step plan's M, or the largest count below it that splits ``rows`` evenly."""
+        m = self.steps[phase].micro_batches
+        while m > 1 and rows % m:
+            m //= 2
+        return max(1, min(m, rows))
+
+    def link(self, a: int, b: int) -> Link:
+        return link_between(self.ctx.cluster, self.targets[a], self.targets[b])
+
+    def programs(self, phase: str, rows: int, seq: int | None = None, ctx: int | None = None) -> StepPrograms:
+        """The runtime's programs of the step at this bucket (cached)."""
+        key = (phase, rows, seq, ctx)
+        if key not in self._programs:
+            plan = self.steps.get(phase)
+            if plan is None:
+                raise StepTimingError(f"the deployment has no step plan for phase {phase!r}")
+            spec = self.phase_spec(phase, rows, seq, ctx)
+            m = self.micro_batches(phase, rows)
+            graph = self.ctx.graph(spec, m)
+            if len(graph.kernels) != len(plan.assignment):
+                raise StepTimingError(f"{phase} at {rows} rows has {len(graph.kernels)} kernels, but its step plan "
+                                      f"places {len(plan.assignment)}: the bucket's graph differs from the plan's")
+            self._programs[key] = build_programs(graph, list(plan.assignment), [t.name for t in self.targets], m)
+        return self._programs[key]
+
+    def kernel_times(self, phase: str, rows: int, seq: int | None, ctx: int | None) -> np.ndarray:
+        """[K, targets] seconds of each graph kernel per micro-batch (split expert GEMMs: slowest part +
+        combine on the combine's target)."""
+        plan = self.steps[phase]
+        spec = self.phase_spec(phase, rows, seq, ctx)
+        m = self.micro_batches(phase, rows)
+        parts = {int(k): v for k, v in plan.expert_parts.items()}
+        n_parts = max((len(v) for v in parts.values()), default=1)
+        sp = self.ctx.step_problem(spec, self.targets, m, n_parts)
+        own = sp.problem_kernels()
+        times = sp.problem.times
+        out = np.empty((len(own), len(self.targets)))
+        for k, ks in enumerate(own):
+            if len(ks) == 1:
+                out[k] = times[ks[0]]
+            else:
+                where = parts.get(k, [plan.assignment[k]] * (len(ks) - 1))
+                slowest = max(times[p, t] for p, t in zip(ks[:-1], where, strict=True))
+                out[k] = slowest + times[ks[-1]]
+        return out
+
+    def time(self, phase: str, rows: int, seq: int | None = None, ctx: int | None = None) -> StepTime:
+        """The step of ``phase`` at ``rows`` rows (and prompt / context buckets), timed (cached)."""
+        key = (phase, rows, seq, ctx)
+        if key not in self._cache:
+            sp = self.programs(phase, rows, seq, ctx)
+            times = self.kernel_times(phase, rows, seq, ctx)
+
+            def kernel_time(d: int, k: int, _m: int) -> float:
+                return float(times[k, d])
+
+            alone = simulate_programs(sp, kernel_time, self.link)
+            stream = simulate_stream(sp, kernel_time, self.link, STREAM_STEPS, self.feedback_s)
+            used = tuple(sorted(set(sp.placement)))
+            self._cache[key] = StepTime(phase, rows, seq, ctx, sp.micro_batches, alone.makespan_s + self.feedback_s,
+                                        stream.period_s, tuple(alone.busy_s), sp.cut_bytes, used)
+        return self._cache[key]
