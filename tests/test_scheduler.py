@@ -1,0 +1,94 @@
+"""The batching Scheduler shared by the simulator and the serving engine: slots, stages, buckets, rejections."""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.sched.scheduler import Buckets, Request, Scheduler, SchedulerError, powers_of_two, stages_for
+
+
+def _drive(sched: Scheduler, step_s: float = 1.0, limit: int = 10_000) -> list[tuple]:
+    """Run steps one at a time until nothing is left; returns (phase, request ids, rows, seq, ctx) per step."""
+    now, log = 0.0, []
+    while sched.pending() and len(log) < limit:
+        step = sched.next_step(now)
+        assert step is not None, "requests are pending but no step is ready"
+        assert len({r.stage for r in step.requests}) == 1  # one stage per step
+        assert len(sched.running) <= sched.slots
+        log.append((step.phase, [r.id for r in step.requests], step.rows, step.seq, step.ctx))
+        sched.complete(step, now, now + step_s)
+        now += step_s
+    return log
+
+
+def test_buckets_round_up_and_reject_what_does_not_fit():
+    b = Buckets.default(max_batch=12, max_context=1000)
+    assert b.batch == (1, 2, 4, 8, 12) and b.seq == (128, 256, 512, 1000) and b.ctx == (256, 512, 1000)
+    assert (b.rows(5), b.prompt(129), b.context(1000)) == (8, 256, 1000)
+    with pytest.raises(SchedulerError, match="rows 13 is above the largest bucket"):
+        b.rows(13)
+    with pytest.raises(SchedulerError, match="strictly increasing"):
+        Buckets((4, 2))
+    assert powers_of_two(1, 1) == (1,)
+
+
+def test_llm_requests_prefill_one_by_one_then_decode_together_within_the_slots():
+    sched = Scheduler(stages_for("llm"), slots=2, buckets=Buckets.default(4, 256))
+    for i, (n_in, n_out) in enumerate([(100, 3), (20, 1), (150, 2)]):
+        assert sched.submit(Request(i, 0.0, n_in, n_out))
+    log = _drive(sched)
+    assert log == [
+        ("prefill", [0], 1, 128, 256),   # slot 1 of 2
+        ("prefill", [1], 1, 128, 256),   # slot 2 of 2; one output: done at once, its slot is free again
+        ("prefill", [2], 1, 256, 256),
+        ("decode", [0, 2], 2, None, 256),  # contexts 101 and 151 -> bucket 256
+        ("decode", [0], 1, None, 256),
+    ]
+    assert [r.generated for r in sorted(sched.done, key=lambda r: r.id)] == [3, 1, 2]
+    r0 = next(r for r in sched.done if r.id == 0)
+    assert (r0.first_output_s, r0.finish_s, r0.busy_s) == (1.0, 5.0, 3.0)
+
+
+def test_a_request_waits_for_a_slot_and_state_moves_delay_the_next_stage():
+    sched = Scheduler(stages_for("llm"), slots=1, buckets=Buckets.default(1, 64))
+    sched.submit(Request("a", 0.0, 10, 3))
+    sched.submit(Request("b", 0.0, 10, 2))
+    step = sched.next_step(0.0)
+    assert step.phase == "prefill" and [r.id for r in step.requests] == ["a"]
+    sched.complete(step, 0.0, 1.0, delays={"decode": 0.5})  # KV moved to the decode device
+    assert sched.next_step(1.0) is None  # a is moving, b has no slot
+    step = sched.next_step(1.5)
+    assert step.phase == "decode" and [r.id for r in step.requests] == ["a"]
+
+
+def test_diffusion_requests_encode_step_and_decode():
+    sched = Scheduler(stages_for("diffusion", denoising_steps=3), slots=2, buckets=Buckets.default(2), max_context=None)
+    for i in range(3):
+        sched.submit(Request(i, 0.0))
+    log = _drive(sched)
+    phases = [p for p, *_ in log]
+    assert phases.count("encode") == 3 and phases.count("decode") == 3
+    per_image = {i: sum(1 for p, ids, *_ in log if p == "step" and i in ids) for i in range(3)}
+    assert per_image == {0: 3, 1: 3, 2: 3}
+    assert all(r.generated == 1 for r in sched.done)
+
+
+def test_rejections_say_why_and_every_request_ends_somewhere():
+    sched = Scheduler(stages_for("llm"), slots=4, buckets=Buckets.default(4, 512), max_context=512, max_queue=2)
+    assert not sched.submit(Request("long", 0.0, 500, 20))
+    assert sched.submit(Request("x", 0.0, 10, 2)) and sched.submit(Request("y", 0.0, 10, 2))
+    assert not sched.submit(Request("z", 0.0, 10, 2))
+    assert not sched.submit(Request("none", 0.0, 10, 0))
+    reasons = {r.id: r.rejected for r in sched.rejected}
+    assert "context of 520 tokens" in reasons["long"] and "queue is full" in reasons["z"]
+    assert "at least 1" in reasons["none"]
+    _drive(sched)
+    assert sorted(r.id for r in sched.done) == ["x", "y"]
+
+
+def test_bad_scheduler_setups_are_refused():
+    with pytest.raises(SchedulerError, match="at least one slot"):
+        Scheduler(stages_for("llm"), slots=0, buckets=Buckets.default(1))
+    stages = stages_for("llm")
+    with pytest.raises(SchedulerError, match="at most one of them batched"):
+        Scheduler((stages[1], stages[1]), slots=1, buckets=Buckets.default(1))
