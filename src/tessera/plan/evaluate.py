@@ -18,9 +18,9 @@ from tessera.plan.problem import PlacementProblem
 class StepEvaluation:
     """One assignment's cost: per cycle of M micro-batches (seconds, bytes)."""
 
-    cycle_s: float  # max(M x busiest device, M x busiest link, critical path)
-    critical_path_s: float  # one micro-batch's step: the longest path (compute plus transfers) or the
-    # busiest device's serial work, whichever is longer, plus the transfers of cut loop edges
+    cycle_s: float  # max(M x busiest device, M x busiest link, the better of the step run whole or streamed)
+    critical_path_s: float  # one micro-batch's step as the devices run it (each device's kernels one after
+    # another in program order, each waiting for its inputs' transfers), plus the transfers of cut loop edges
     busy_s: tuple[float, ...]  # per device, per cycle (M micro-batches)
     link_s: tuple[tuple[float, ...], ...]  # per directed device pair, per cycle
     cut_edges: int  # per micro-batch
@@ -45,12 +45,71 @@ def evaluate(problem: PlacementProblem, assignment: tuple[int, ...] | list[int])
     busy = busy_times(problem, one)[0] * m
     link = link_loads(problem, one)[0] * m
     loops = sum(problem.transfer_time(nbytes, a[src], a[dst], count) for src, dst, nbytes, count in problem.loop_edges)
+    sched = schedule(problem, a)
     # one device runs its kernels one after another: a micro-batch also waits for the busiest device
-    cp = float(max(critical_paths(problem, one)[0], busy.max(initial=0.0) / m + loops))
+    cp = float(max(critical_paths(problem, one)[0], busy.max(initial=0.0) / m + loops, sched.one_s + loops))
     cut = [(src, dst, nbytes) for src, dst, nbytes in problem.edges if a[src] != a[dst]]
     cut += [(src, dst, nbytes) for src, dst, nbytes, _ in problem.loop_edges if a[src] != a[dst]]
     resident = memory_use(problem, one)[0]
-    cycle = float(max(busy.max(initial=0.0), link.max(initial=0.0), cp))
+    # M micro-batches run either as one step in segment order, or streamed: each device takes one micro-batch
+    # at a time, busy from its first kernel to its last (waits between them included); the better of the two
+    streamed = max(cp, m * max(sched.span_s, default=0.0))
+    together = sched.all_s + loops
+    cycle = float(max(busy.max(initial=0.0), link.max(initial=0.0), min(streamed, together)))
     return StepEvaluation(cycle, cp, tuple(busy.tolist()), tuple(tuple(r) for r in link.tolist()), len(cut),
                           m * sum(nbytes for *_, nbytes in cut), tuple(resident.tolist()),
                           bool(memory_fits(problem, one)[0]))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A step as the runtime runs it (each device's kernels one after another, a kernel starting once its
+    device is free and its inputs arrived): ``one_s`` for one micro-batch, with each device's ``span_s``
+    from its first kernel's start to its last kernel's end; ``all_s`` for M micro-batches in the
+    runtime's step order (segment by segment, each for micro-batches 0..M-1)."""
+
+    one_s: float
+    span_s: tuple[float, ...]
+    all_s: float
+
+
+def _list_schedule(problem: PlacementProblem, a: list[int], m: int) -> tuple[list[float], list[float], list[float]]:
+    """(finish per kernel of the last micro-batch, first start per device, last finish per device)."""
+    d_count = len(problem.devices)
+    cut: dict[int, list[tuple[int, float]]] = {}
+    for (src, dst, nbytes), count in zip(problem.edges, problem.messages, strict=True):
+        if a[src] != a[dst]:
+            cut.setdefault(dst, []).append((src, problem.transfer_time(nbytes, a[src], a[dst], count)))
+    segments: list[list[int]] = []
+    for k in range(problem.kernels):
+        if segments and a[segments[-1][-1]] == a[k]:
+            segments[-1].append(k)
+        else:
+            segments.append([k])
+    finish = [[0.0] * problem.kernels for _ in range(m)]
+    free = [0.0] * d_count
+    first = [float("inf")] * d_count
+    times = problem.times
+    for seg in segments:
+        d = a[seg[0]]
+        for mb in range(m):
+            fin = finish[mb]
+            for k in seg:
+                start = free[d]  # inputs from this device are ready: it ran their producers earlier
+                for src, t in cut.get(k, ()):
+                    start = max(start, fin[src] + t)
+                first[d] = min(first[d], start)
+                fin[k] = start + float(times[k, d])
+                free[d] = fin[k]
+    return finish[-1], first, free
+
+
+def schedule(problem: PlacementProblem, assignment) -> Schedule:
+    """The step of ``assignment`` list-scheduled as the runtime runs it (see :class:`Schedule`)."""
+    a = [int(x) for x in assignment]
+    finish, first, last = _list_schedule(problem, a, 1)
+    spans = tuple(last[d] - first[d] if first[d] < float("inf") else 0.0 for d in range(len(problem.devices)))
+    one = max(finish, default=0.0)
+    m = problem.micro_batches
+    all_s = one if m == 1 else max(_list_schedule(problem, a, m)[2], default=0.0)
+    return Schedule(one, spans, all_s)

@@ -5,7 +5,8 @@ the runtime's own programs (:mod:`tessera.program.program`) through the discrete
 A step plan places the kernels of its phase's graph; at another bucket (fewer rows, a longer context)
 the graph has the same kernels at other shapes, so the same placement applies: the graph is traced at
 the bucket, every kernel is timed on its target, the programs are built (exact bytes per transfer) and
-run, once alone and streamed back to back. Results are cached per (phase, bucket, M).
+run, once alone and streamed back to back (the steady-state period is the better of the two: the
+engine streams a bucket only where streaming pays). Results are cached per (phase, bucket, M).
 
 MoE expert splits (a grouped expert GEMM spread over targets) have no program form yet (the runtime
 does not run them): the kernel runs on its combine's target, taking the slowest part's time plus the
@@ -130,6 +131,9 @@ class StepTimer:
             alone = simulate_programs(sp, kernel_time, self.link)
             stream = simulate_stream(sp, kernel_time, self.link, STREAM_STEPS, self.feedback_s)
             used = tuple(sorted(set(sp.placement)))
-            self._cache[key] = StepTime(phase, rows, seq, ctx, sp.micro_batches, alone.makespan_s + self.feedback_s,
-                                        stream.period_s, tuple(alone.busy_s), sp.cut_bytes, used)
+            first = alone.makespan_s + self.feedback_s
+            # the engine streams a bucket's steps only where that beats running them one at a time (a
+            # ping-pong split keeps both devices busy inside one step, not across streamed micro-batch jobs)
+            self._cache[key] = StepTime(phase, rows, seq, ctx, sp.micro_batches, first, min(stream.period_s, first),
+                                        tuple(alone.busy_s), sp.cut_bytes, used)
         return self._cache[key]
