@@ -38,15 +38,22 @@ def test_llm_requests_prefill_one_by_one_then_decode_together_within_the_slots()
         assert sched.submit(Request(i, 0.0, n_in, n_out))
     log = _drive(sched)
     assert log == [
-        ("prefill", [0], 1, 128, 256),   # slot 1 of 2
-        ("prefill", [1], 1, 128, 256),   # slot 2 of 2; one output: done at once, its slot is free again
-        ("prefill", [2], 1, 256, 256),
-        ("decode", [0, 2], 2, None, 256),  # contexts 101 and 151 -> bucket 256
-        ("decode", [0], 1, None, 256),
+        ("prefill", [0], 1, 128, 256),   # the prompt but its last token; slot 1 of 2
+        ("prefill", [1], 1, 128, 256),   # slot 2 of 2
+        ("decode", [0, 1], 2, None, 256),  # last prompt tokens in, first tokens out; 1 is done: its slot is free
+        ("prefill", [2], 1, 256, 256),   # 149 tokens -> bucket 256
+        ("decode", [0, 2], 2, None, 256),
+        ("decode", [0, 2], 2, None, 256),
     ]
     assert [r.generated for r in sorted(sched.done, key=lambda r: r.id)] == [3, 1, 2]
     r0 = next(r for r in sched.done if r.id == 0)
-    assert (r0.first_output_s, r0.finish_s, r0.busy_s) == (1.0, 5.0, 3.0)
+    assert (r0.first_output_s, r0.finish_s, r0.busy_s) == (3.0, 6.0, 4.0)
+
+
+def test_a_one_token_prompt_needs_no_prefill():
+    sched = Scheduler(stages_for("llm"), slots=1, buckets=Buckets.default(1, 64))
+    sched.submit(Request("a", 0.0, 1, 2))
+    assert [p for p, *_ in _drive(sched)] == ["decode", "decode"]
 
 
 def test_a_request_waits_for_a_slot_and_state_moves_delay_the_next_stage():

@@ -4,9 +4,14 @@ One module, two users: the simulator's request level (:mod:`tessera.sim.requests
 engine make every batching decision here, so a prediction and a served run batch the same way.
 
 A request goes through its family's stages in order (``stages_for``): for an LLM ``prefill`` (one
-request per step, its whole prompt) then ``decode`` (one token per step, rows of many requests share
-a step); a vision-language model first ``encode``s its image; a diffusion request is ``encode`` (text
-encoders), ``step`` (the denoising steps, batched across images) and ``decode`` (VAE). A request
+request per step: its prompt except the last token, which fills the cache) then ``decode`` (rows of
+many requests share a step; a request's first decode step feeds its last prompt token and yields its
+first output token, each later one feeds the token before: ``output`` decode steps in all). Prefill
+steps run at static prompt buckets and the prefill step's logits are at the bucket's last position,
+so the request's first token comes from a decode step, where every row has its own position; a
+one-token prompt needs no prefill. A vision-language model first ``encode``s its image; a diffusion
+request is ``encode`` (text encoders), ``step`` (the denoising steps, batched across images) and
+``decode`` (VAE, which yields the image). A request
 holds a state slot (its KV / conv / SSM cache rows, or its latents) from the start of its first stage
 to the end of its last, so at most ``slots`` requests are in flight; the others wait in arrival order.
 
@@ -38,18 +43,19 @@ class SchedulerError(TesseraError, ValueError):
 @dataclass(frozen=True)
 class Stage:
     """One stage of a request: its phase, whether rows of many requests share its steps, and how many
-    steps a request takes in it (``None``: the request's own count, e.g. its output tokens - 1)."""
+    steps a request takes in it: a number, ``"prompt"`` (one step when the prompt has more than one token,
+    else none) or ``"output"`` (one per output token)."""
 
     phase: str
     batched: bool
-    steps: int | None = 1
+    steps: int | str = 1
 
 
 def stages_for(family: str, denoising_steps: int = 28) -> tuple[Stage, ...]:
     """A family's stages in order."""
     if family == "diffusion":
         return (Stage("encode", False), Stage("step", True, denoising_steps), Stage("decode", False))
-    text = (Stage("prefill", False), Stage("decode", True, None))
+    text = (Stage("prefill", False, "prompt"), Stage("decode", True, "output"))
     return (Stage("encode", False), *text) if family == "vlm" else text
 
 
@@ -125,7 +131,7 @@ class Request:
 
     @property
     def context(self) -> int:
-        """Tokens in its cache once the next token is generated."""
+        """Tokens in its cache after its next decode step (its prompt, then one more per output token)."""
         return self.input + self.generated
 
 
@@ -186,8 +192,13 @@ class Scheduler:
         self.waiting.append(req)
         return True
 
-    def _steps_in(self, stage: Stage, req: Request) -> int:
-        return stage.steps if stage.steps is not None else req.output - 1
+    @staticmethod
+    def _steps_in(stage: Stage, req: Request) -> int:
+        if stage.steps == "prompt":
+            return 1 if req.input > 1 else 0
+        if stage.steps == "output":
+            return req.output
+        return int(stage.steps)
 
     def _enter(self, req: Request, index: int) -> None:
         """Move ``req`` to stage ``index`` (skipping stages it needs no steps of), or finish it."""
@@ -226,7 +237,7 @@ class Scheduler:
                 ready = [req] if req.stage == 0 else []
             if ready:
                 req = min(ready, key=lambda r: (r.ready_s, r.arrival_s))
-                seq = self.buckets.prompt(req.input) if stage.phase == "prefill" and self.buckets.seq else None
+                seq = self.buckets.prompt(req.input - 1) if stage.phase == "prefill" and self.buckets.seq else None
                 ctx = self.buckets.context(req.input) if stage.phase == "prefill" and self.buckets.ctx else None
                 return ScheduledStep(stage.phase, [req], 1, seq, ctx)
         return None
@@ -239,7 +250,7 @@ class Scheduler:
         for req in step.requests:
             req.busy_s += end_s - start_s
             stage = self.stages[req.stage]
-            if stage.phase in ("prefill", "decode"):  # a token (an image, for the VAE decode of diffusion)
+            if stage.phase == "decode":  # a token (the image, for the VAE decode of diffusion)
                 req.generated += 1
                 if req.first_output_s is None:
                     req.first_output_s = end_s
