@@ -1,0 +1,163 @@
+"""What the serving engine runs steps on: a model's graphs at its static shape buckets, executed by local
+worker processes under a deployment's placements (the disaggregated runtime), or replayed in this
+process (the single-process reference).
+
+Phases are named ``prefill@S`` (one request, a prompt bucket of S tokens) and ``decode@B`` (B rows), with
+``:latency`` / ``:throughput`` appended when the two objectives' step plans place kernels differently.
+Every graph shares one KV cache of ``slots`` rows and ``ctx`` positions; a bucket's graph has the same
+kernels as the graph its step plan was solved for, so the plan's placement applies to every bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tessera.errors import TesseraError
+from tessera.graph.ir import KernelGraph
+
+OBJECTIVES = ("latency", "throughput")
+
+
+class ServeSetupError(TesseraError):
+    """A serving deployment that cannot be set up (model, buckets, plan)."""
+
+
+def phase_name(phase: str, size: int, objective: str | None = None) -> str:
+    """The runtime phase of a bucket: ``decode@8`` or ``decode@8:latency``."""
+    return f"{phase}@{size}" + (f":{objective}" if objective else "")
+
+
+def bucket_graphs(model: str, slots: int, ctx: int, prompts: tuple[int, ...],
+                  rows: tuple[int, ...], log: Callable[[str], None] = lambda s: None) -> dict[str, KernelGraph]:
+    """The prefill graph of every prompt bucket and the decode graph of every row bucket, over one cache of
+    ``slots`` rows and ``ctx`` positions (traced on meta)."""
+    from tessera.capture.api import trace_model
+
+    graphs = {}
+    for s in prompts:
+        log(f"tracing {model} prefill@{s}")
+        graphs[phase_name("prefill", s)] = trace_model(model, "prefill", batch=1, seq=s, ctx=ctx,
+                                                        slots=slots if slots > 1 else None)
+    for b in rows:
+        log(f"tracing {model} decode@{b}")
+        graphs[phase_name("decode", b)] = trace_model(model, "decode", batch=b, ctx=ctx,
+                                                       slots=slots if slots != b else None)
+    return graphs
+
+
+@dataclass
+class ObjectivePlacements:
+    """Per objective, each bucket phase's kernel -> worker, and the runtime phase that runs it."""
+
+    placements: dict[str, list[int]]  # runtime phase -> kernel -> worker
+    phases: dict[str, dict[str, str]]  # objective -> bucket phase -> runtime phase
+    differ: bool  # whether the two objectives place any bucket differently
+
+
+def objective_placements(graphs: dict[str, KernelGraph], assignments: dict[str, dict[str, list[int]]]
+                         ) -> ObjectivePlacements:
+    """Apply each objective's per-phase assignment (``assignments[objective]["prefill" | "decode"]``) to every
+    bucket graph of that phase; bucket phases whose placements agree share one runtime phase."""
+    placements: dict[str, list[int]] = {}
+    phases: dict[str, dict[str, str]] = {o: {} for o in assignments}
+    differ = False
+    for name, graph in graphs.items():
+        base = name.split("@")[0]
+        chosen = {}
+        for objective, by_phase in assignments.items():
+            a = by_phase.get(base)
+            if a is None:
+                raise ServeSetupError(f"the {objective} plan has no {base} step")
+            if len(a) != len(graph.kernels):
+                raise ServeSetupError(f"the {objective} plan places {len(a)} kernels of {base}, but bucket {name} "
+                                      f"has {len(graph.kernels)}: plan for this model's serving shapes")
+            chosen[objective] = list(a)
+        distinct = {tuple(a) for a in chosen.values()}
+        if len(distinct) == 1:
+            placements[name] = next(iter(chosen.values()))
+            for objective in chosen:
+                phases[objective][name] = name
+        else:
+            differ = True
+            for objective, a in chosen.items():
+                placements[f"{name}:{objective}"] = a
+                phases[objective][name] = f"{name}:{objective}"
+    return ObjectivePlacements(placements, phases, differ)
+
+
+class StepBackend(Protocol):
+    """Runs one runtime phase on inputs and returns its logits [rows, 1, vocab]."""
+
+    def run(self, phase: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    def busy_s(self) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
+
+
+class LocalBackend:
+    """Every phase replayed in this process on one device (the single-process reference)."""
+
+    def __init__(self, graphs: dict[str, KernelGraph], weight_files: list[str]):
+        from tessera.runtime.generate import ReplayRunner
+        from tessera.weights import load_weights
+
+        wanted = {n for g in graphs.values() for n, b in g.buffers.items() if b.kind == "weight"}
+        wanted |= {a for g in graphs.values() for n in wanted if n in g.buffers for a in g.buffers[n].aliases}
+        weights: dict[str, torch.Tensor] = {}
+        for path in weight_files:
+            weights.update(load_weights(path, sorted(wanted - set(weights))))
+
+        state = {}
+        for g in graphs.values():
+            for name in g.state:
+                b = g.buffers[name]
+                state.setdefault(name, torch.zeros(b.shape, dtype=_dtype(b.dtype)))
+        self.runner = ReplayRunner(graphs, weights, state)
+        self._busy = 0.0
+
+    def run(self, phase: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        import time
+
+        t0 = time.perf_counter()
+        out = self.runner(phase.split(":")[0], inputs)
+        self._busy += time.perf_counter() - t0
+        return out
+
+    def busy_s(self) -> dict[str, float]:
+        return {"cpu": self._busy}
+
+    def close(self) -> None:
+        pass
+
+
+class WorkerBackend:
+    """Every phase run by worker processes under its placement (gloo transfers of exact byte ranges)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self._busy: dict[str, float] = {}
+
+    def run(self, phase: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = self.runner.step(phase, inputs)["logits"]
+        timing = self.runner.last_timing
+        if timing is not None:
+            for device, seconds in zip(timing.workers, timing.compute_s, strict=False):
+                self._busy[device] = self._busy.get(device, 0.0) + seconds
+        return out
+
+    def busy_s(self) -> dict[str, float]:
+        return dict(self._busy)
+
+    def close(self) -> None:
+        self.runner.pool.close()
+
+
+def _dtype(name: str) -> torch.dtype:
+    from tessera.graph.codec import dtype_from_name
+
+    return dtype_from_name(name)

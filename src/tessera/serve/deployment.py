@@ -1,0 +1,138 @@
+"""Setting up a served deployment on local cpu workers: the tokenizer, the bucket graphs, each
+objective's placements (from a policy planned with this host's measured kernel times, or a synthetic
+placement), the worker pool and the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tessera.sched.scheduler import Buckets
+from tessera.serve.backend import (
+    LocalBackend,
+    ObjectivePlacements,
+    ServeSetupError,
+    WorkerBackend,
+    bucket_graphs,
+    objective_placements,
+)
+from tessera.serve.engine import Engine
+from tessera.serve.monitor import Monitor
+
+PLAN_PROMPT = 64  # prompt length the placements are planned for (every prompt bucket has the same kernels)
+
+
+@dataclass
+class ServeConfig:
+    """What to serve and how: the model, ``cpu:N`` workers, slots (rows in flight), the longest context,
+    where kernels run (a policy, optionally another for the latency plans, or a synthetic placement) and the
+    monitor's settings."""
+
+    model: str
+    cluster: str = "cpu:2"
+    slots: int = 8
+    max_context: int = 512
+    min_prompt_bucket: int = 16
+    policy: str = "tessera"
+    latency_policy: str | None = None  # default: the policy's own latency-objective step plans
+    placement: str | None = None  # alternate | random: a synthetic placement for both objectives
+    seed: int = 0
+    threads: int | None = None
+    beta: float = 1.5
+    window_s: float = 0.3
+    cooldown_s: float = 1.0
+    local: bool = False  # run every step in this process (the single-process reference)
+
+
+def _tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    from tessera.capture.models import resolve_model
+    from tessera.capture.pretrained import weights_dir
+
+    spec = resolve_model(model)
+    if spec.family not in ("llm", "moe"):
+        raise ServeSetupError(f"tessera serve serves text models with a KV cache (llm, moe); {spec.name} is a "
+                              f"{spec.family} model")
+    try:
+        return AutoTokenizer.from_pretrained(str(weights_dir(spec)))
+    except Exception as e:  # noqa: BLE001 - which model files are missing is in the message
+        raise ServeSetupError(f"{model}: no tokenizer with real weights here ({e}); serve a model whose weights "
+                              "ship with a package, such as smollm2-135m") from None
+
+
+def plan_assignments(cfg: ServeConfig, workers: int, threads: int, log: Callable[[str], None]
+                     ) -> tuple[dict[str, dict[str, list[int]]], str]:
+    """Each objective's prefill and decode placement (kernel -> worker), and how they were found."""
+    from tessera.plan.planner import plan_policy
+    from tessera.plan.steps import add_objective_steps
+    from tessera.program.placements import synthetic_placement
+    from tessera.runtime.session import host_profile, placements_from_plan, runtime_context, runtime_graphs
+
+    base = runtime_graphs(cfg.model, PLAN_PROMPT, cfg.max_context, cfg.slots)
+    if cfg.placement is not None:
+        a = {p: synthetic_placement(g, workers, cfg.placement, cfg.seed) for p, g in base.items()}
+        return {"latency": a, "throughput": a}, f"{cfg.placement} placement (seed {cfg.seed})"
+    profile = host_profile(cfg.model, base, threads, log)
+    pctx = runtime_context(cfg.model, workers, PLAN_PROMPT, 64, cfg.max_context, cfg.slots, 1, profile, log)
+
+    def solve(policy: str):
+        return plan_policy(pctx, policy, "throughput", "cpu" if policy == "homogeneous" else None)
+
+    out = {}
+    through = solve(cfg.policy)
+    out["throughput"], _ = placements_from_plan(through, base, workers, f"the {cfg.policy} plan")
+    if cfg.latency_policy is None:
+        add_objective_steps(pctx, through, "latency")
+        latency = {p: list(through.step(p, "latency").assignment) for p in base}
+        how = f"{cfg.policy} plan (throughput and latency objectives)"
+    else:
+        latency, _ = placements_from_plan(solve(cfg.latency_policy), base, workers,
+                                          f"the {cfg.latency_policy} plan")
+        how = f"throughput: {cfg.policy} plan, latency: {cfg.latency_policy} plan"
+    out["latency"] = latency
+    return out, how
+
+
+def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) -> tuple[Engine, str]:
+    """Trace, place, start the workers and the engine; returns the running engine and a description."""
+    from tessera.hardware.cluster import parse_cluster
+    from tessera.runtime.distributed import DistributedRunner
+    from tessera.runtime.pool import WorkerPool
+    from tessera.runtime.session import weight_files
+
+    if cfg.slots < 1 or cfg.max_context < 2:
+        raise ServeSetupError(f"slots must be at least 1 and the context at least 2 (got {cfg.slots}, "
+                              f"{cfg.max_context})")
+    tokenizer = _tokenizer(cfg.model)
+    cluster = parse_cluster(cfg.cluster)
+    if any(d.spec.id != "cpu" for d in cluster.devices):
+        raise ServeSetupError(f"tessera serve starts local cpu workers (--cluster cpu:N); {cluster.describe()} has "
+                              "GPUs, which are planned and simulated (tessera plan / simulate), not run here")
+    workers = len(cluster.devices)
+    threads = cfg.threads or cluster.devices[0].spec.threads or 1
+    buckets = Buckets.default(cfg.slots, cfg.max_context, cfg.min_prompt_bucket)
+    graphs = bucket_graphs(cfg.model, cfg.slots, cfg.max_context, buckets.seq, buckets.batch, log)
+    files = weight_files(cfg.model)
+    if cfg.local:
+        placements = ObjectivePlacements({n: [0] * len(g.kernels) for n, g in graphs.items()},
+                                         {o: {n: n for n in graphs} for o in ("latency", "throughput")}, False)
+        backend = LocalBackend(graphs, files)
+        how = "one process (reference)"
+    else:
+        assignments, how = plan_assignments(cfg, workers, threads, log)
+        placements = objective_placements(graphs, assignments)
+        log(f"starting {workers} workers ({threads} thread{'s' if threads != 1 else ''} each)")
+        pool = WorkerPool.local(workers, threads)
+        try:
+            runner = DistributedRunner(pool, graphs, placements.placements, weights_path=files, log=log)
+        except BaseException:
+            pool.close()
+            raise
+        backend = WorkerBackend(runner)
+    monitor = Monitor(cfg.beta, cfg.window_s, cfg.cooldown_s, enabled=placements.differ)
+    engine = Engine(backend, placements, tokenizer, cfg.slots, buckets, cfg.max_context, monitor, log)
+    return engine.start(), how
+
+
+__all__ = ["ObjectivePlacements", "ServeConfig", "start_engine"]

@@ -1,0 +1,301 @@
+"""The serving engine: a request queue, continuous batching by the shared Scheduler, KV slots, sampling,
+and the online monitor's plan switches, on a step backend (the disaggregated runtime's workers, or the
+single-process reference).
+
+One engine thread runs steps one after another. Before each step it admits new requests, drops
+cancelled ones (freeing their slots) and, when a monitor window is over, lets the monitor pick the
+objective whose step plans the next steps use. A prefill step writes a request's prompt but its last
+token into its KV slot (prompt padded to a bucket); decode steps run every ready request as one row
+each, at its own position and slot (rows padded to a bucket with rows of free slots), and pick each
+row's next token with the request's own sampling. Tokens are detokenised incrementally; stop strings
+are held back until they cannot start a stop any more. Events go to each request's callback (called on
+the engine thread): ``("token", text)``, then ``("done", finish_reason)`` or ``("error", message)``.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tessera.errors import TesseraError
+from tessera.runtime.generate import Sampling
+from tessera.sched.scheduler import Buckets, Request, ScheduledStep, Scheduler, stages_for
+from tessera.serve.backend import ObjectivePlacements, StepBackend, phase_name
+from tessera.serve.monitor import Monitor
+
+EventSink = Callable[[str, Any], None]
+
+
+class RequestError(TesseraError, ValueError):
+    """A request the engine cannot serve (empty or too long a prompt, bad sampling options)."""
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """How one request generates: at most ``max_tokens`` tokens, greedy unless ``temperature`` > 0,
+    nucleus ``top_p``, a ``seed`` for sampling, and ``stop`` strings that end it."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(eq=False)
+class Generation:
+    """One request being served."""
+
+    id: str
+    prompt_ids: list[int]
+    params: GenerationParams
+    sink: EventSink
+    sched: Request
+    picker: Callable[[torch.Tensor], int]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""  # detokenised so far
+    sent: int = 0  # characters of text already emitted
+    finish_reason: str | None = None
+    cancelled: bool = False
+
+
+@dataclass
+class EngineStats:
+    """Counters for /metrics."""
+
+    tokens: int = 0
+    completed: int = 0
+    steps: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    step_s: dict[str, float] = field(default_factory=dict)  # per objective
+
+
+class Engine:
+    """Continuous batching over a step backend (see the module docstring)."""
+
+    def __init__(self, backend: StepBackend, placements: ObjectivePlacements, tokenizer, slots: int,
+                 buckets: Buckets, max_context: int, monitor: Monitor | None = None,
+                 log: Callable[[str], None] | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.backend = backend
+        self.placements = placements
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token_id
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.scheduler = Scheduler(stages_for("llm"), slots, buckets, max_context)
+        self.max_context = max_context
+        self.monitor = monitor or Monitor(enabled=False)
+        self.log = log or (lambda text: print(text, file=sys.stderr))
+        self.clock = clock
+        self.stats = EngineStats()
+        self._incoming: queue.Queue[Generation] = queue.Queue()
+        self._by_request: dict[int, Generation] = {}
+        self._finished_in_window: list[Request] = []
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._count = 0
+        self.error: BaseException | None = None
+
+    # -------------------------------------------------------------------------------------------------
+    def start(self) -> Engine:
+        """Start the engine thread."""
+        self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the engine thread (requests still queued get an error) and close the backend."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.backend.close()
+
+    def submit(self, prompt_ids: list[int], params: GenerationParams, sink: EventSink) -> Generation:
+        """Queue a request; errors in it raise RequestError at once."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if params.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1 (got {params.max_tokens})")
+        if len(prompt_ids) + params.max_tokens > self.max_context:
+            raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
+                               f"longer than the context of {self.max_context} tokens")
+        try:
+            sampling = Sampling(params.temperature, params.top_p, params.seed if params.seed is not None else 0)
+        except TesseraError as e:
+            raise RequestError(str(e).replace("--", "")) from None
+        with self._lock:
+            self._count += 1
+            rid = f"req-{self._count}"
+        req = Request(rid, self.clock(), len(prompt_ids), params.max_tokens)
+        gen = Generation(rid, list(prompt_ids), params, sink, req, sampling.picker())
+        self._incoming.put(gen)
+        self._wake.set()
+        return gen
+
+    def cancel(self, gen: Generation) -> None:
+        """Stop a request (its client went away): its slot is freed before the next step."""
+        gen.cancelled = True
+        self._wake.set()
+
+    @property
+    def objective(self) -> str:
+        return self.monitor.objective
+
+    def queue_depth(self) -> tuple[int, int]:
+        """(queued, in flight) requests."""
+        return len(self.scheduler.waiting) + self._incoming.qsize(), len(self.scheduler.running)
+
+    # -------------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._admit()
+                now = self.clock()
+                if self.monitor.due(now):
+                    self._close_window(now)
+                step = self.scheduler.next_step(now)
+                if step is None:
+                    self._wake.wait(timeout=self.monitor.window_s)
+                    self._wake.clear()
+                    continue
+                self._run_step(step)
+        except BaseException as e:  # the engine is gone: tell every request, keep the error for /health
+            self.error = e
+            self.log(f"engine stopped: {type(e).__name__}: {e}")
+            for gen in list(self._by_request.values()):
+                self._emit(gen, "error", f"the engine failed: {e}")
+        finally:
+            while not self._incoming.empty():
+                self._emit(self._incoming.get(), "error", "the server is shutting down")
+
+    def _admit(self) -> None:
+        while not self._incoming.empty():
+            gen = self._incoming.get()
+            if not self.scheduler.submit(gen.sched):
+                self._emit(gen, "error", gen.sched.rejected)
+                continue
+            self._by_request[id(gen.sched)] = gen
+        for gen in [g for g in self._by_request.values() if g.cancelled]:
+            self._finish(gen, "cancelled", self.clock())
+
+    def _close_window(self, now: float) -> None:
+        switch = self.monitor.close_window(now, list(self.scheduler.waiting), list(self.scheduler.running),
+                                           self._finished_in_window)
+        self._finished_in_window = []
+        if switch is not None:
+            self.log(f"plan switch: {switch.before} -> {switch.after} (latency / execution = {switch.ratio:.2f}, "
+                     f"beta {self.monitor.beta})")
+
+    def _phase(self, step: ScheduledStep) -> str:
+        size = step.seq if step.phase == "prefill" else step.rows
+        return self.placements.phases[self.monitor.objective][phase_name(step.phase, size)]
+
+    def _inputs(self, step: ScheduledStep) -> dict[str, torch.Tensor]:
+        gens = [self._by_request[id(r)] for r in step.requests]
+        if step.phase == "prefill":
+            gen = gens[0]
+            ids = gen.prompt_ids[:-1] + [self.pad] * (step.seq - len(gen.prompt_ids) + 1)
+            return {"input_ids": torch.tensor([ids]), "slots": torch.tensor([gen.sched.slot])}
+        tokens, positions, slots = [], [], []
+        for gen in gens:
+            tokens.append(gen.tokens[-1] if gen.tokens else gen.prompt_ids[-1])
+            positions.append(gen.sched.input + gen.sched.generated - 1)
+            slots.append(gen.sched.slot)
+        decoding = {r.slot for r in self.scheduler.running if r.stage == 1}
+        spare = [s for s in range(self.scheduler.slots) if s not in decoding]
+        for pad in range(step.rows - len(gens)):  # padding rows write position 0 of slots nobody decodes from
+            tokens.append(self.pad)
+            positions.append(0)
+            slots.append(spare[pad])
+        return {"input_ids": torch.tensor(tokens)[:, None], "positions": torch.tensor(positions),
+                "slots": torch.tensor(slots)}
+
+    def _run_step(self, step: ScheduledStep) -> None:
+        inputs = self._inputs(step)
+        phase = self._phase(step)
+        t0 = self.clock()
+        logits = self.backend.run(phase, inputs)
+        t1 = self.clock()
+        self.stats.steps += 1
+        self.stats.step_s[self.monitor.objective] = self.stats.step_s.get(self.monitor.objective, 0.0) + t1 - t0
+        stopped: list[tuple[Generation, str]] = []
+        if step.phase == "decode":
+            for row, req in enumerate(step.requests):
+                gen = self._by_request[id(req)]
+                token = gen.picker(logits[row, -1])
+                reason = self._take(gen, token)
+                if reason is not None:
+                    stopped.append((gen, reason))
+        ended = {id(gen): reason for gen, reason in stopped}
+        for req in self.scheduler.complete(step, t0, t1):  # reached max_tokens (or EOS on the last one)
+            gen = self._by_request.get(id(req))
+            if gen is not None:
+                self._done(gen, ended.get(id(gen), "length"), t1)
+        for gen, reason in stopped:
+            if gen.finish_reason is None:
+                self._finish(gen, reason, t1)
+
+    def _take(self, gen: Generation, token: int) -> str | None:
+        """Account a new token; returns "stop" when it ends the request (EOS or a stop string)."""
+        now = self.clock()
+        if not gen.tokens:
+            self.stats.ttft_s.append(now - gen.sched.arrival_s)
+        self.stats.tokens += 1
+        if token == self.eos:
+            gen.tokens.append(token)
+            self._flush(gen, final=True)
+            return "stop"
+        gen.tokens.append(token)
+        gen.text = self.tokenizer.decode([t for t in gen.tokens if t != self.eos])
+        for stop in gen.params.stop:
+            at = gen.text.find(stop)
+            if at >= 0:
+                gen.text = gen.text[:at]
+                self._flush(gen, final=True)
+                return "stop"
+        self._flush(gen, final=False)
+        return None
+
+    def _flush(self, gen: Generation, final: bool) -> None:
+        """Emit the text not sent yet, holding back a tail that could still become a stop string (or half a
+        character)."""
+        hold = 0 if final else max((len(s) - 1 for s in gen.params.stop), default=0)
+        end = len(gen.text) - hold
+        if not final and gen.text.endswith("\ufffd"):
+            end = min(end, len(gen.text) - 1)
+        if end > gen.sent:
+            self._emit(gen, "token", gen.text[gen.sent:end])
+            gen.sent = end
+
+    def _finish(self, gen: Generation, reason: str, now: float) -> None:
+        self.scheduler.finish(gen.sched, now)
+        self._done(gen, reason, now)
+
+    def _done(self, gen: Generation, reason: str, now: float) -> None:
+        gen.finish_reason = reason
+        self._by_request.pop(id(gen.sched), None)
+        self._finished_in_window.append(gen.sched)
+        if reason != "cancelled":
+            self._flush(gen, final=True)
+            self.stats.completed += 1
+            first = gen.sched.first_output_s
+            if first is not None and len(gen.tokens) > 1:
+                self.stats.tpot_s.append((now - first) / (len(gen.tokens) - 1))
+        self._emit(gen, "done", reason)
+
+    def _emit(self, gen: Generation, kind: str, payload: Any) -> None:
+        try:
+            gen.sink(kind, payload)
+        except Exception as e:  # a broken client must not take the engine down
+            self.log(f"request {gen.id}: dropping its events ({type(e).__name__}: {e})")
+            gen.cancelled = True

@@ -1,0 +1,75 @@
+"""The online monitor: which objective's step plans the engine runs now.
+
+On a timer (a window, 300 ms by default) it looks at every request the engine knows: queued, in
+flight, and finished during the window. For each it takes the latency so far (now, or its finish,
+minus its arrival) and its execution time (the summed durations of the steps it took part in). When
+the mean latency over the mean execution time reaches ``beta`` (1.5 by default), requests wait more
+than they run: the engine switches to the throughput-objective plans; below ``beta`` it switches back
+to the latency-objective plans. A switch needs ``cooldown_s`` since the previous one, so the choice does
+not flap. The engine applies a switch between steps, so no step is cut in half.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.sched.scheduler import Request
+
+
+@dataclass
+class Switch:
+    """One plan switch: when, from which objective to which, and the ratio that caused it."""
+
+    at_s: float
+    before: str
+    after: str
+    ratio: float
+
+
+@dataclass
+class Monitor:
+    """Latency / execution-time windows and the objective they choose (see the module docstring)."""
+
+    beta: float = 1.5
+    window_s: float = 0.3
+    cooldown_s: float = 1.0
+    objective: str = "latency"
+    enabled: bool = True
+    switches: list[Switch] = field(default_factory=list)
+    last_ratio: float | None = None
+    _window_start: float | None = None
+    _last_switch: float = float("-inf")
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0 or self.window_s <= 0 or self.cooldown_s < 0:
+            raise ValueError(f"monitor settings must be positive: beta {self.beta}, window {self.window_s} s, "
+                             f"cool-down {self.cooldown_s} s")
+
+    def due(self, now: float) -> bool:
+        """Whether the current window is over."""
+        if self._window_start is None:
+            self._window_start = now
+        return now - self._window_start >= self.window_s
+
+    def close_window(self, now: float, queued: list[Request], running: list[Request],
+                     finished: list[Request]) -> Switch | None:
+        """End the window at ``now`` over these requests (finished: those that ended inside the window);
+        returns the switch it decides, if any."""
+        self._window_start = now
+        seen = [*queued, *running, *finished]
+        if not seen:
+            return None
+        latency = sum((r.finish_s if r.finish_s is not None else now) - r.arrival_s for r in seen) / len(seen)
+        execution = sum(r.busy_s for r in seen) / len(seen)
+        if execution <= 0:  # nothing has run yet: no evidence either way
+            return None
+        ratio = latency / execution
+        self.last_ratio = ratio
+        want = "throughput" if ratio >= self.beta else "latency"
+        if not self.enabled or want == self.objective or now - self._last_switch < self.cooldown_s:
+            return None
+        switch = Switch(now, self.objective, want, ratio)
+        self.switches.append(switch)
+        self.objective = want
+        self._last_switch = now
+        return switch
