@@ -212,9 +212,12 @@ class Scheduler:
         """Requests not finished yet (waiting or running)."""
         return len(self.waiting) + len(self.running)
 
-    def next_step(self, now: float, phases: set[str] | None = None) -> ScheduledStep | None:
-        """The step to run now among ``phases`` (all when None), or None when nothing is ready."""
+    def next_step(self, now: float, phases: set[str] | None = None, max_rows: int | None = None
+                  ) -> ScheduledStep | None:
+        """The step to run now among ``phases`` (all when None), or None when nothing is ready. ``max_rows``
+        caps the requests in flight and the rows of a batched step (a latency plan's low-load bucket)."""
         allowed = set(self.phases) if phases is None else phases
+        cap = min(max_rows or self.slots, self.buckets.batch[-1])
         order = [i for i, s in enumerate(self.stages) if not s.batched] + \
             [i for i, s in enumerate(self.stages) if s.batched]
         for i in order:
@@ -224,12 +227,13 @@ class Scheduler:
             if stage.batched:
                 rows = [r for r in self.running if r.stage == i and r.ready_s <= now]
                 if rows:
-                    rows = rows[: self.buckets.batch[-1]]
+                    rows = rows[:cap]
                     ctx = self.buckets.context(max(r.context for r in rows)) if self.buckets.ctx else None
                     return ScheduledStep(stage.phase, rows, self.buckets.rows(len(rows)), None, ctx)
                 continue
             ready = [r for r in self.running if r.stage == i and r.ready_s <= now]
-            if not ready and i == 0 and self.waiting and self._free and self.waiting[0].arrival_s <= now:
+            if (not ready and i == 0 and self.waiting and self._free and self.waiting[0].arrival_s <= now
+                    and len(self.running) < cap):
                 req = self.waiting.popleft()
                 req.slot = self._free.pop()
                 self._enter(req, 0)

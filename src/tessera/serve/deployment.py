@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tessera.plan.steps import LATENCY_BUCKET
 from tessera.sched.scheduler import Buckets
 from tessera.serve.backend import (
     LocalBackend,
@@ -38,6 +39,7 @@ class ServeConfig:
     placement: str | None = None  # alternate | random: a synthetic placement for both objectives
     seed: int = 0
     threads: int | None = None
+    latency_rows: int = LATENCY_BUCKET  # requests in flight while the latency plans are active
     beta: float = 1.5
     window_s: float = 0.3
     cooldown_s: float = 1.0
@@ -63,35 +65,51 @@ def _tokenizer(model: str):
 
 def plan_assignments(cfg: ServeConfig, workers: int, threads: int, log: Callable[[str], None]
                      ) -> tuple[dict[str, dict[str, list[int]]], str]:
-    """Each objective's prefill and decode placement (kernel -> worker), and how they were found."""
+    """Each objective's prefill and decode placement (kernel -> worker), and how they were found: a synthetic
+    ``placement`` or the ``policy``'s plan for the throughput objective; ``latency_policy``'s plan, or else the
+    same plan's latency-objective step plans (or the same synthetic placement), for the latency objective.
+    ``homogeneous`` on cpu workers is every kernel on the first worker (nothing to plan)."""
     from tessera.plan.planner import plan_policy
     from tessera.plan.steps import add_objective_steps
     from tessera.program.placements import synthetic_placement
     from tessera.runtime.session import host_profile, placements_from_plan, runtime_context, runtime_graphs
 
     base = runtime_graphs(cfg.model, PLAN_PROMPT, cfg.max_context, cfg.slots)
+    context = None
+
+    def planned(policy: str):
+        nonlocal context
+        if context is None:
+            profile = host_profile(cfg.model, base, threads, log)
+            context = runtime_context(cfg.model, workers, PLAN_PROMPT, 64, cfg.max_context, cfg.slots, 1, profile,
+                                      log)
+        return plan_policy(context, policy, "throughput", "cpu" if policy == "homogeneous" else None)
+
+    def single() -> dict[str, list[int]]:
+        return {p: [0] * len(g.kernels) for p, g in base.items()}
+
     if cfg.placement is not None:
-        a = {p: synthetic_placement(g, workers, cfg.placement, cfg.seed) for p, g in base.items()}
-        return {"latency": a, "throughput": a}, f"{cfg.placement} placement (seed {cfg.seed})"
-    profile = host_profile(cfg.model, base, threads, log)
-    pctx = runtime_context(cfg.model, workers, PLAN_PROMPT, 64, cfg.max_context, cfg.slots, 1, profile, log)
-
-    def solve(policy: str):
-        return plan_policy(pctx, policy, "throughput", "cpu" if policy == "homogeneous" else None)
-
-    out = {}
-    through = solve(cfg.policy)
-    out["throughput"], _ = placements_from_plan(through, base, workers, f"the {cfg.policy} plan")
-    if cfg.latency_policy is None:
-        add_objective_steps(pctx, through, "latency")
-        latency = {p: list(through.step(p, "latency").assignment) for p in base}
-        how = f"{cfg.policy} plan (throughput and latency objectives)"
+        through = {p: synthetic_placement(g, workers, cfg.placement, cfg.seed) for p, g in base.items()}
+        how, plan = f"{cfg.placement} placement (seed {cfg.seed})", None
+    elif cfg.policy == "homogeneous":
+        through, how, plan = single(), "homogeneous (every kernel on the first worker)", None
     else:
-        latency, _ = placements_from_plan(solve(cfg.latency_policy), base, workers,
-                                          f"the {cfg.latency_policy} plan")
-        how = f"throughput: {cfg.policy} plan, latency: {cfg.latency_policy} plan"
-    out["latency"] = latency
-    return out, how
+        plan = planned(cfg.policy)
+        through, _ = placements_from_plan(plan, base, workers, f"the {cfg.policy} plan")
+        how = f"{cfg.policy} plan"
+    if cfg.latency_policy == "homogeneous":
+        latency = single()
+        how = f"throughput: {how}; latency: homogeneous (first worker)"
+    elif cfg.latency_policy is not None:
+        latency, _ = placements_from_plan(planned(cfg.latency_policy), base, workers, f"the {cfg.latency_policy} plan")
+        how = f"throughput: {how}; latency: {cfg.latency_policy} plan"
+    elif plan is not None:
+        add_objective_steps(context, plan, "latency")
+        latency = {p: list(plan.step(p, "latency").assignment) for p in base}
+        how += " (throughput and latency objectives)"
+    else:
+        latency = through
+    return {"latency": latency, "throughput": through}, how
 
 
 def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) -> tuple[Engine, str]:
@@ -125,13 +143,16 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
         log(f"starting {workers} workers ({threads} thread{'s' if threads != 1 else ''} each)")
         pool = WorkerPool.local(workers, threads)
         try:
-            runner = DistributedRunner(pool, graphs, placements.placements, weights_path=files, log=log)
+            phases = {name: graphs[name.split(":")[0]] for name in placements.placements}
+            runner = DistributedRunner(pool, phases, placements.placements, weights_path=files, log=log)
         except BaseException:
             pool.close()
             raise
         backend = WorkerBackend(runner)
-    monitor = Monitor(cfg.beta, cfg.window_s, cfg.cooldown_s, enabled=placements.differ)
-    engine = Engine(backend, placements, tokenizer, cfg.slots, buckets, cfg.max_context, monitor, log)
+    monitor = Monitor(cfg.beta, cfg.window_s, cfg.cooldown_s,
+                      enabled=placements.differ or cfg.latency_rows < cfg.slots)
+    engine = Engine(backend, placements, tokenizer, cfg.slots, buckets, cfg.max_context, monitor, log,
+                    latency_rows=cfg.latency_rows)
     return engine.start(), how
 
 

@@ -4,7 +4,8 @@ single-process reference).
 
 One engine thread runs steps one after another. Before each step it admits new requests, drops
 cancelled ones (freeing their slots) and, when a monitor window is over, lets the monitor pick the
-objective whose step plans the next steps use. A prefill step writes a request's prompt but its last
+objective whose step plans the next steps use: the latency plans serve the low-load bucket (at most
+``latency_rows`` requests in flight, the rest wait), the throughput plans every slot. A prefill step writes a request's prompt but its last
 token into its KV slot (prompt padded to a bucket); decode steps run every ready request as one row
 each, at its own position and slot (rows padded to a bucket with rows of free slots), and pick each
 row's next token with the request's own sampling. Tokens are detokenised incrementally; stop strings
@@ -75,7 +76,8 @@ class EngineStats:
     steps: int = 0
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
-    step_s: dict[str, float] = field(default_factory=dict)  # per objective
+    step_s: dict[str, float] = field(default_factory=dict)  # seconds in steps, per objective
+    tokens_by: dict[str, int] = field(default_factory=dict)  # tokens generated, per objective
 
 
 class Engine:
@@ -83,7 +85,8 @@ class Engine:
 
     def __init__(self, backend: StepBackend, placements: ObjectivePlacements, tokenizer, slots: int,
                  buckets: Buckets, max_context: int, monitor: Monitor | None = None,
-                 log: Callable[[str], None] | None = None, clock: Callable[[], float] = time.perf_counter):
+                 log: Callable[[str], None] | None = None, clock: Callable[[], float] = time.perf_counter,
+                 latency_rows: int | None = None):
         self.backend = backend
         self.placements = placements
         self.tokenizer = tokenizer
@@ -91,6 +94,8 @@ class Engine:
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.scheduler = Scheduler(stages_for("llm"), slots, buckets, max_context)
         self.max_context = max_context
+        # the latency plan serves the low-load bucket: at most this many requests in flight while it is active
+        self.rows = {"latency": min(slots, latency_rows or slots), "throughput": slots}
         self.monitor = monitor or Monitor(enabled=False)
         self.log = log or (lambda text: print(text, file=sys.stderr))
         self.clock = clock
@@ -163,7 +168,7 @@ class Engine:
                 now = self.clock()
                 if self.monitor.due(now):
                     self._close_window(now)
-                step = self.scheduler.next_step(now)
+                step = self.scheduler.next_step(now, max_rows=self.rows[self.monitor.objective])
                 if step is None:
                     self._wake.wait(timeout=self.monitor.window_s)
                     self._wake.clear()
@@ -227,7 +232,10 @@ class Engine:
         logits = self.backend.run(phase, inputs)
         t1 = self.clock()
         self.stats.steps += 1
-        self.stats.step_s[self.monitor.objective] = self.stats.step_s.get(self.monitor.objective, 0.0) + t1 - t0
+        objective = self.monitor.objective
+        self.stats.step_s[objective] = self.stats.step_s.get(objective, 0.0) + t1 - t0
+        if step.phase == "decode":
+            self.stats.tokens_by[objective] = self.stats.tokens_by.get(objective, 0) + len(step.requests)
         stopped: list[tuple[Generation, str]] = []
         if step.phase == "decode":
             for row, req in enumerate(step.requests):

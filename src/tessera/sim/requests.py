@@ -22,7 +22,14 @@ from tessera.errors import TesseraError
 from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DeploymentPlan, StepPlan
 from tessera.plan.targets import Target, cluster_targets
-from tessera.sched.scheduler import DEFAULT_MAX_CONTEXT, Buckets, Request, ScheduledStep, Scheduler, stages_for
+from tessera.sched.scheduler import (
+    DEFAULT_MAX_CONTEXT,
+    Buckets,
+    Request,
+    ScheduledStep,
+    Scheduler,
+    stages_for,
+)
 from tessera.sim.steps import StepTimer
 from tessera.workload import FixedWorkload, ImagesWorkload, PoissonWorkload, Workload
 

@@ -1,0 +1,227 @@
+"""`tessera serve` (the OpenAI-compatible server over local cpu workers) and `tessera bench` (a workload
+sent to such a server). Diagnostics go to stderr; `bench --json` prints only JSON on stdout."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import typer
+from rich.table import Table
+
+from tessera import cli_options as opt
+from tessera.console import err as _err
+from tessera.console import fail as _fail
+from tessera.console import out as _out
+from tessera.errors import TesseraError
+
+
+class ServeOptionError(TesseraError):
+    """A `tessera serve` option that cannot work."""
+
+
+def _check_options(port: int, slots: int, max_context: int, threads: int | None, placement: str | None,
+                   policy: str, latency_policy: str | None, beta: float, window_ms: float,
+                   cooldown_s: float, local: bool) -> None:
+    from tessera.plan.policies import check_policy
+    from tessera.program.placements import PLACEMENTS
+
+    if not 0 <= port <= 65535:
+        raise ServeOptionError(f"--port must be 0..65535 (got {port})")
+    if slots < 1:
+        raise ServeOptionError(f"--slots must be at least 1 (got {slots})")
+    if max_context < 2:
+        raise ServeOptionError(f"--max-context must be at least 2 (got {max_context})")
+    if threads is not None and threads < 1:
+        raise ServeOptionError(f"--threads must be at least 1 (got {threads})")
+    if placement is not None and placement not in PLACEMENTS:
+        raise ServeOptionError(f"--placement must be one of {', '.join(PLACEMENTS)} (got {placement!r})")
+    if not beta > 0:
+        raise ServeOptionError(f"--beta must be positive (got {beta})")
+    if not window_ms > 0:
+        raise ServeOptionError(f"--window-ms must be positive (got {window_ms})")
+    if cooldown_s < 0:
+        raise ServeOptionError(f"--cooldown-s must be 0 or more (got {cooldown_s})")
+    check_policy(policy)
+    if latency_policy is not None:
+        check_policy(latency_policy)
+    if local and placement is not None:
+        raise ServeOptionError("--local runs every step in this process; --placement places kernels on workers: "
+                               "give one of them")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the (slow) engine start so a taken port fails at once."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ServeOptionError(f"--host {host!r}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise ServeOptionError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def serve(
+    model: str = opt.MODEL,
+    cluster: str = typer.Option("cpu:2", "--cluster", help="Local workers: cpu:N (N processes, cores/N threads "
+                                "each)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port)."),
+    api_key: str = typer.Option(None, "--api-key", envvar="TESSERA_API_KEY",
+                                help="Require 'Authorization: Bearer KEY' on /v1 requests."),
+    policy: str = typer.Option("tessera", "--policy", help="The policy planned (with this host's measured kernel "
+                               "times) for both objectives: homogeneous | request-dist | prefill-decode | "
+                               "attention-ffn | layer-pipeline | tessera."),
+    latency_policy: str = typer.Option(None, "--latency-policy", help="Another policy for the latency objective "
+                                       "(default: --policy's own latency step plans)."),
+    placement: str = typer.Option(None, "--placement", help="alternate | random: a synthetic placement for both "
+                                  "objectives instead of a plan (stress tests)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of --placement random."),
+    slots: int = typer.Option(8, "--slots", help="Requests in flight at once (KV-cache rows)."),
+    max_context: int = typer.Option(512, "--max-context", help="Longest prompt + output a request may have."),
+    threads: int = typer.Option(None, "--threads", help="Torch threads per worker (default cores / workers)."),
+    beta: float = typer.Option(1.5, "--beta", help="Monitor: switch to the throughput plans when mean latency / "
+                               "execution time reaches this."),
+    window_ms: float = typer.Option(300.0, "--window-ms", help="Monitor window in milliseconds."),
+    cooldown_s: float = typer.Option(1.0, "--cooldown-s", help="Least time between two plan switches."),
+    local: bool = typer.Option(False, "--local", help="Run every step in this process (the single-process "
+                               "reference) instead of on workers."),
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics), its kernels placed on local cpu workers."""
+    import asyncio
+
+    import uvicorn
+
+    from tessera.serve.api import create_app
+    from tessera.serve.deployment import ServeConfig, start_engine
+
+    say = lambda text: _err.print(f"[dim]{text}[/]")  # noqa: E731
+    engine = sock = None
+    try:
+        _check_options(port, slots, max_context, threads, placement, policy, latency_policy, beta, window_ms,
+                       cooldown_s, local)
+        sock = _listen(host, port)
+        cfg = ServeConfig(model, cluster, slots=slots, max_context=max_context, policy=policy,
+                          latency_policy=latency_policy, placement=placement, seed=seed, threads=threads,
+                          beta=beta, window_s=window_ms / 1000, cooldown_s=cooldown_s, local=local)
+        engine, how = start_engine(cfg, log=say)
+        say(f"placement: {how}")
+    except TesseraError as e:
+        if sock is not None:
+            sock.close()
+        _fail(e)
+    app = create_app(engine, model, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    url = _url(sock)
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            _err.print(f"serving {model} at {url}/v1 ({slots} slots, context {max_context}"
+                       f"{', API key required' if api_key else ''}); Ctrl-C stops", markup=False, highlight=False)
+        await task
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        say("stopping the engine")
+        engine.stop()
+        sock.close()
+
+
+def _s(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"
+
+
+def bench(
+    url: str = typer.Option(..., "--url", help="The server, e.g. http://127.0.0.1:8000 (with or without /v1)."),
+    workload: str = typer.Option(..., "--workload", "-w", help="fixed:in=..,out=..,requests=.. (all at once) | "
+                                 "poisson:rate=..,lengths=azure-conv|FILE[,requests=N] (Poisson arrivals)."),
+    model: str = typer.Option(None, "--model", help="The model field of each request (default: the first "
+                              "model /v1/models lists)."),
+    api_key: str = typer.Option(None, "--api-key", envvar="TESSERA_API_KEY", help="Sent as a Bearer token."),
+    slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT objective in seconds (for SLO attainment)."),
+    slo_tpot: float = typer.Option(None, "--slo-tpot", help="TPOT objective in seconds (for SLO attainment)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of a poisson workload's arrivals and lengths."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds one request may take."),
+    as_json: bool = opt.JSON,
+) -> None:
+    """Benchmark an OpenAI-compatible server: a workload's requests sent open loop as streamed completions;
+    output tokens/s, TTFT and TPOT p50/p99, SLO attainment."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tessera.serve.bench import BenchError, base_url, run_bench
+    from tessera.workload import parse_workload
+
+    try:
+        base_url(url)
+        parse_workload(workload)
+        for name, value in (("--slo-ttft", slo_ttft), ("--slo-tpot", slo_tpot), ("--timeout", timeout)):
+            if value is not None and not value > 0:
+                raise BenchError(f"{name} must be positive seconds (got {value})")
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=_err, transient=True, disable=as_json) as bar:
+            task = bar.add_task("requests", total=None)
+
+            def progress(done: int, failed: int, total: int) -> None:
+                bar.update(task, completed=done, total=total,
+                           description=f"requests ({failed} failed)" if failed else "requests")
+
+            report = run_bench(url, workload, model, api_key, seed, slo_ttft, slo_tpot, timeout, progress)
+    except TesseraError as e:
+        _fail(e)
+    s = report.summary()
+    if as_json:
+        print(json.dumps(s, indent=2))
+        return
+    table = Table(title=f"{s['model']} at {s['url']}: {s['workload']}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [("requests completed", f"{s['completed']} of {s['requests']}"),
+            ("failed", str(s["failed"])),
+            ("duration", _s(s["duration_s"])),
+            ("output tokens", str(s["output_tokens"])),
+            ("throughput", f"{s['throughput']:.3g} tokens/s" if s["throughput"] else "-"),
+            ("TTFT p50 / p99", f"{_s(s['ttft_p50_s'])} / {_s(s['ttft_p99_s'])}"),
+            ("TPOT p50 / p99", f"{_s(s['tpot_p50_s'])} / {_s(s['tpot_p99_s'])}"),
+            ("latency p50 / p99", f"{_s(s['latency_p50_s'])} / {_s(s['latency_p99_s'])}")]
+    if s["slo"] is not None:
+        slo = s["slo"]
+        goal = " and ".join(f"{k} <= {_s(slo[f'{k.lower()}_s'])}" for k in ("TTFT", "TPOT")
+                            if slo[f"{k.lower()}_s"] is not None)
+        rows.append((f"SLO attainment ({goal})", f"{100 * slo['attainment']:.1f}%"))
+    for name, value in rows:
+        table.add_row(name, value)
+    _out.print(table)
+    for e in s["errors"]:
+        _err.print(f"[yellow]failed request:[/] {e}", highlight=False)
+    if s["failed"] and not s["completed"]:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Mount `tessera serve` and `tessera bench`."""
+    app.command("serve")(serve)
+    app.command("bench")(bench)

@@ -1,0 +1,123 @@
+"""The serving engine and its monitor: plan switches under a load step, exact outputs across switches."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tessera.sched.scheduler import Request
+from tessera.serve.backend import LocalBackend
+from tessera.serve.deployment import ServeConfig, start_engine
+from tessera.serve.engine import GenerationParams
+from tessera.serve.monitor import Monitor
+
+
+def _request(arrival: float, busy: float, finish: float | None = None) -> Request:
+    r = Request("r", arrival, 4, 4)
+    r.busy_s, r.finish_s = busy, finish
+    return r
+
+
+def test_monitor_switches_on_the_latency_ratio_with_a_cool_down():
+    m = Monitor(beta=1.5, window_s=0.3, cooldown_s=1.0)
+    assert m.objective == "latency" and not m.due(0.0) and m.due(0.3)
+    assert m.close_window(0.3, [], [], []) is None  # nothing seen: no evidence
+    assert m.close_window(0.6, [_request(0.0, 0.0)], [], []) is None  # nothing ran yet
+    # one request waited 0.9 s and ran 0.3 s, one queued since 0.5 s: mean latency 0.6, execution 0.15
+    switch = m.close_window(1.2, [_request(1.0, 0.0)], [_request(0.3, 0.3)], [])
+    assert switch is not None and (switch.before, switch.after) == ("latency", "throughput")
+    assert switch.ratio == pytest.approx((0.9 + 0.2) / 2 / 0.15)
+    calm = [_request(1.5, 0.45, finish=2.0)]  # latency 0.5, execution 0.45
+    assert m.close_window(1.8, [], [], calm) is None and m.objective == "throughput"  # cooling down
+    back = m.close_window(2.3, [], [], calm)
+    assert back is not None and back.after == "latency" and len(m.switches) == 2
+    with pytest.raises(ValueError, match="must be positive"):
+        Monitor(beta=0)
+
+
+class _Recorder:
+    """A backend that records every step's phase, inputs and logits."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.steps: list[tuple[str, dict[str, torch.Tensor], torch.Tensor]] = []
+
+    def run(self, phase, inputs):
+        logits = self.backend.run(phase, inputs)
+        self.steps.append((phase, {k: v.clone() for k, v in inputs.items()}, logits.clone()))
+        return logits
+
+    def busy_s(self):
+        return self.backend.busy_s()
+
+    def close(self):
+        self.backend.close()
+
+
+def _serve(engine, prompts: list[str], concurrent: bool, max_tokens: int = 6):
+    done = threading.Event()
+    finished: dict[int, str] = {}
+    gens = []
+
+    def sink_for(i):
+        def sink(kind, payload):
+            if kind in ("done", "error"):
+                finished[i] = f"{kind}:{payload}"
+                if len(finished) == len(prompts):
+                    done.set()
+                one.set()
+        return sink
+
+    one = threading.Event()
+    for i, p in enumerate(prompts):
+        one.clear()
+        gens.append(engine.submit(engine.tokenizer(p).input_ids, GenerationParams(max_tokens=max_tokens), sink_for(i)))
+        if not concurrent:
+            assert one.wait(120)
+    assert done.wait(300)
+    assert all(v in ("done:length", "done:stop") for v in finished.values()), finished
+    return gens
+
+
+def _tpot(gens) -> float:
+    per = [(g.sched.finish_s - g.sched.first_output_s) / (len(g.tokens) - 1) for g in gens if len(g.tokens) > 1]
+    return sum(per) / len(per)
+
+
+def test_plan_switches_under_a_load_step_and_outputs_stay_exact():
+    """Low rate, high rate, low rate on cpu:2: the latency plan (every kernel on one worker, at most 2 requests
+    in flight) and the throughput plan (layers split over both workers, 8 slots) differ; the monitor
+    switches to throughput under load and back; throughput per step-second rises, TPOT rises under load; and
+    every step's logits equal a single-process replay of the same step."""
+    cfg = ServeConfig("smollm2-135m", "cpu:2", slots=8, max_context=128, policy="layer-pipeline",
+                      latency_policy="homogeneous", latency_rows=2, threads=1, window_s=0.1, cooldown_s=0.5)
+    logs: list[str] = []
+    engine, how = start_engine(cfg, log=logs.append)
+    try:
+        assert engine.placements.differ and "homogeneous" in how
+        engine.backend = recorder = _Recorder(engine.backend)
+        low = _serve(engine, [f"Count: {i}," for i in range(2)], concurrent=False)
+        assert engine.monitor.switches == [] and engine.objective == "latency"
+        high = _serve(engine, [f"Item {i} is" for i in range(12)], concurrent=True)
+        calm = _serve(engine, [f"Step {i}:" for i in range(4)], concurrent=False)
+        switches = [(s.before, s.after) for s in engine.monitor.switches]
+        assert switches[:2] == [("latency", "throughput"), ("throughput", "latency")]
+        assert any("plan switch: latency -> throughput" in line for line in logs)
+        assert engine.objective == "latency"
+        stats = engine.stats
+        rate = {o: stats.tokens_by[o] / stats.step_s[o] for o in ("latency", "throughput")}
+        assert rate["throughput"] > rate["latency"]
+        assert _tpot(high) > max(_tpot(low), _tpot(calm))
+        graphs = {name.split(":")[0]: g for name, g in recorder.backend.runner.graphs.items()}
+        phases_run = {phase for phase, _, _ in recorder.steps}
+        assert any(p.endswith(":latency") for p in phases_run) and any(p.endswith(":throughput") for p in phases_run)
+    finally:
+        engine.stop()
+    from tessera.runtime.session import weight_files
+
+    reference = LocalBackend(graphs, weight_files("smollm2-135m"))
+    torch.set_num_threads(1)
+    for phase, inputs, logits in recorder.steps:  # the same steps in the same order, in one process
+        assert torch.equal(reference.run(phase, inputs), logits), phase
