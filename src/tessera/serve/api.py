@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tessera.serve.engine import Engine, Generation, GenerationParams, RequestError
@@ -299,12 +300,18 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
 
     def params(body: _Sampling, max_tokens: int) -> GenerationParams:
         temperature = 1.0 if body.temperature is None else body.temperature
+        top_p = 1.0 if body.top_p is None else body.top_p
+        if not 0 <= temperature < math.inf:
+            raise APIError(400, f"temperature must be 0 (greedy) or more (got {temperature})", param="temperature")
+        if not 0 < top_p <= 1:
+            raise APIError(400, f"top_p must be in (0, 1] (got {top_p})", param="top_p")
+        if body.seed is not None and not -(2**63) <= body.seed < 2**64:
+            raise APIError(400, f"seed must fit in 64 bits (got {body.seed})", param="seed")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         seed = body.seed
         if seed is None and temperature > 0:
             seed = secrets.randbelow(2**31)
-        return GenerationParams(max_tokens=max_tokens, temperature=temperature,
-                                top_p=1.0 if body.top_p is None else body.top_p, seed=seed,
+        return GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                 stop=tuple(s for s in stop if s))
 
     def check_length(prompt_ids: list[int], max_tokens: int, what: str) -> None:
@@ -389,8 +396,12 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
             if not served.finished:
                 engine.cancel(served.gen)
 
-    def stream_response(body: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(body, media_type="text/event-stream",
+    def stream_response(served: _Served, body: AsyncIterator[str]) -> StreamingResponse:
+        async def settle() -> None:  # a client gone before the stream started never ran its generator
+            if not served.finished:
+                engine.cancel(served.gen)
+
+        return StreamingResponse(body, media_type="text/event-stream", background=BackgroundTask(settle),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # ---- endpoints ----------------------------------------------------------------------------------
@@ -439,7 +450,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
             prompt_ids = list(prompt)
             bad = [t for t in prompt_ids if not 0 <= t < vocab]
             if bad:
-                raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
+                               param="prompt")
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
@@ -454,7 +466,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
 
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return stream_response(stream(served, chunk, include, None))
+            return stream_response(served, stream(served, chunk, include, None))
         result = await collect(served, request)
         if result is None:
             return Response(status_code=499)  # nobody is listening
@@ -510,7 +522,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
             include = bool(body.stream_options and body.stream_options.include_usage)
             first = chunk(None, None)
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            return stream_response(stream(served, chunk, include, first))
+            return stream_response(served, stream(served, chunk, include, first))
         result = await collect(served, request)
         if result is None:
             return Response(status_code=499)

@@ -20,12 +20,17 @@ class ServeOptionError(TesseraError):
     """A `tessera serve` option that cannot work."""
 
 
-def _check_options(port: int, slots: int, max_context: int, threads: int | None, placement: str | None,
-                   policy: str, latency_policy: str | None, beta: float, window_ms: float,
+def _check_options(cluster: str, port: int, slots: int, max_context: int, threads: int | None,
+                   placement: str | None, policy: str, latency_policy: str | None, beta: float, window_ms: float,
                    cooldown_s: float, local: bool) -> None:
+    from tessera.hardware.cluster import parse_cluster
     from tessera.plan.policies import check_policy
     from tessera.program.placements import PLACEMENTS
 
+    cl = parse_cluster(cluster)
+    if any(d.spec.id != "cpu" for d in cl.devices):
+        raise ServeOptionError(f"tessera serve starts local cpu workers (--cluster cpu:N); {cl.describe()} has "
+                               "GPUs, which are planned and simulated (tessera plan / simulate), not run here")
     if not 0 <= port <= 65535:
         raise ServeOptionError(f"--port must be 0..65535 (got {port})")
     if slots < 1:
@@ -114,8 +119,8 @@ def serve(
     say = lambda text: _err.print(f"[dim]{text}[/]")  # noqa: E731
     engine = sock = None
     try:
-        _check_options(port, slots, max_context, threads, placement, policy, latency_policy, beta, window_ms,
-                       cooldown_s, local)
+        _check_options(cluster, port, slots, max_context, threads, placement, policy, latency_policy, beta,
+                       window_ms, cooldown_s, local)
         sock = _listen(host, port)
         cfg = ServeConfig(model, cluster, slots=slots, max_context=max_context, policy=policy,
                           latency_policy=latency_policy, placement=placement, seed=seed, threads=threads,

@@ -131,6 +131,12 @@ class Engine:
             raise RequestError("the prompt is empty")
         if params.max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1 (got {params.max_tokens})")
+        vocab = len(self.tokenizer)
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+            raise RequestError(f"seed must fit in 64 bits (got {params.seed})")
         if len(prompt_ids) + params.max_tokens > self.max_context:
             raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
                                f"longer than the context of {self.max_context} tokens")

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tessera.errors import TesseraError
 from tessera.sched.scheduler import Request
+
+
+class MonitorError(TesseraError, ValueError):
+    """Monitor settings out of range."""
 
 
 @dataclass
@@ -42,7 +47,7 @@ class Monitor:
 
     def __post_init__(self) -> None:
         if self.beta <= 0 or self.window_s <= 0 or self.cooldown_s < 0:
-            raise ValueError(f"monitor settings must be positive: beta {self.beta}, window {self.window_s} s, "
+            raise MonitorError(f"monitor settings must be positive: beta {self.beta}, window {self.window_s} s, "
                              f"cool-down {self.cooldown_s} s")
 
     def due(self, now: float) -> bool:
