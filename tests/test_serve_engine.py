@@ -110,6 +110,13 @@ def test_plan_switches_under_a_load_step_and_outputs_stay_exact():
         rate = {o: stats.tokens_by[o] / stats.step_s[o] for o in ("latency", "throughput")}
         assert rate["throughput"] > rate["latency"]
         assert _tpot(high) > max(_tpot(low), _tpot(calm))
+        from fastapi.testclient import TestClient
+
+        from tessera.serve.api import create_app
+
+        metrics = TestClient(create_app(engine, "smollm2-135m")).get("/metrics").text
+        assert f"tessera_plan_switches_total {len(engine.monitor.switches)}" in metrics
+        assert 'tessera_active_plan{objective="latency"} 1' in metrics
         graphs = {name.split(":")[0]: g for name, g in recorder.backend.runner.graphs.items()}
         phases_run = {phase for phase, _, _ in recorder.steps}
         assert any(p.endswith(":latency") for p in phases_run) and any(p.endswith(":throughput") for p in phases_run)
