@@ -192,3 +192,17 @@ def parse_workload(spec: str) -> Workload:
                                requests or DEFAULT_REQUESTS)
     return ImagesWorkload(_int(spec, "steps", values["steps"]), _resolution(spec, values["resolution"]),
                           requests or DEFAULT_REQUESTS)
+
+
+def draw_requests(workload: Workload, seed: int = 0) -> list[tuple[float, int, int]]:
+    """The workload's requests as (arrival seconds, input tokens, output tokens): all at 0 for ``fixed:``
+    and ``images:`` (0 input, 1 output: the image), Poisson arrivals with lengths sampled for ``poisson:``
+    (deterministic for a seed; the simulator and ``tessera bench`` draw the same requests)."""
+    if isinstance(workload, FixedWorkload):
+        return [(0.0, workload.input, workload.output)] * workload.requests
+    if isinstance(workload, ImagesWorkload):
+        return [(0.0, 0, 1)] * workload.requests
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(rng.exponential(1.0 / workload.rate, size=workload.requests))
+    lengths = workload.lengths.sample(workload.requests, seed)
+    return [(float(t), a, b) for t, (a, b) in zip(times, lengths, strict=True)]

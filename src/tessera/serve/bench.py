@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from tessera.errors import TesseraError
-from tessera.workload import FixedWorkload, ImagesWorkload, PoissonWorkload, Workload, parse_workload
+from tessera.workload import ImagesWorkload, Workload, draw_requests, parse_workload
 
 PROMPT_WORD = "hello"
 
@@ -121,13 +121,7 @@ def planned_requests(workload: Workload, seed: int = 0) -> list[Planned]:
     if isinstance(workload, ImagesWorkload):
         raise BenchError("tessera bench sends text completions; an images workload is for diffusion models "
                          "(use fixed:... or poisson:...)")
-    if isinstance(workload, FixedWorkload):
-        return [Planned(i, 0.0, workload.input, workload.output) for i in range(workload.requests)]
-    assert isinstance(workload, PoissonWorkload)
-    rng = np.random.default_rng(seed)
-    times = np.cumsum(rng.exponential(1.0 / workload.rate, size=workload.requests))
-    lengths = workload.lengths.sample(workload.requests, seed)
-    return [Planned(i, float(t), a, b) for i, (t, (a, b)) in enumerate(zip(times, lengths, strict=True))]
+    return [Planned(i, t, a, b) for i, (t, a, b) in enumerate(draw_requests(workload, seed))]
 
 
 def synthetic_prompt(tokens: int) -> str:

@@ -31,7 +31,7 @@ from tessera.sched.scheduler import (
     stages_for,
 )
 from tessera.sim.steps import StepTimer
-from tessera.workload import FixedWorkload, ImagesWorkload, PoissonWorkload, Workload
+from tessera.workload import ImagesWorkload, Workload, draw_requests
 
 
 class SimulationSetupError(TesseraError):
@@ -65,15 +65,7 @@ class Engine:
 
 def arrivals(workload: Workload, seed: int = 0) -> list[Request]:
     """The workload's requests with arrival times and lengths (deterministic for a seed)."""
-    if isinstance(workload, FixedWorkload):
-        return [Request(i, 0.0, workload.input, workload.output) for i in range(workload.requests)]
-    if isinstance(workload, ImagesWorkload):
-        return [Request(i, 0.0, 0, 1) for i in range(workload.requests)]
-    assert isinstance(workload, PoissonWorkload)
-    rng = np.random.default_rng(seed)
-    times = np.cumsum(rng.exponential(1.0 / workload.rate, size=workload.requests))
-    lengths = workload.lengths.sample(workload.requests, seed)
-    return [Request(i, float(t), a, b) for i, (t, (a, b)) in enumerate(zip(times, lengths, strict=True))]
+    return [Request(i, t, a, b) for i, (t, a, b) in enumerate(draw_requests(workload, seed))]
 
 
 def _match_targets(ctx: PlanContext, names: list[str], replicas: int, types: list[str] | None) -> list[Target]:
