@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from tessera.errors import TesseraError
+from tessera.hardware.cluster import Link
 from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DeploymentPlan, StepPlan
 from tessera.plan.targets import Target, cluster_targets
@@ -101,21 +102,24 @@ def _delays(plan: DeploymentPlan, steps: list[StepPlan]) -> dict[str, float]:
     return out
 
 
-def _timer(ctx: PlanContext, steps: list[StepPlan], targets: list[Target], feedback_s: float) -> StepTimer:
+def _timer(ctx: PlanContext, steps: list[StepPlan], targets: list[Target], feedback_s: float,
+           link: Link | None) -> StepTimer:
     """The step timer of these step plans on these targets, shared by every simulation in ``ctx`` (a rate
     sweep times each bucket once)."""
     timers = ctx.__dict__.setdefault("_step_timers", {})
-    key = (tuple(t.members for t in targets), feedback_s,
+    key = (tuple(t.members for t in targets), feedback_s, link,
            tuple((s.phase, s.graph_hash, s.micro_batches, tuple(s.assignment), str(sorted(s.expert_parts.items())))
                  for s in steps))
     if key not in timers:
-        timers[key] = StepTimer(ctx, steps, targets, feedback_s)
+        timers[key] = StepTimer(ctx, steps, targets, feedback_s, link)
     return timers[key]
 
 
 def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throughput",
-                max_context: int | None = DEFAULT_MAX_CONTEXT, feedback_s: float = 0.0) -> list[Engine]:
-    """The replicas that serve ``plan``, each with its scheduler and step timer."""
+                max_context: int | None = DEFAULT_MAX_CONTEXT, feedback_s: float = 0.0, min_prompt: int = 128,
+                link: Link | None = None) -> list[Engine]:
+    """The replicas that serve ``plan``, each with its scheduler (prompt buckets from ``min_prompt`` tokens)
+    and step timer (``link``: every pair of targets talks over this link instead of the cluster's)."""
     if not plan.applicable:
         raise SimulationSetupError(f"{plan.policy} does not apply to {plan.model}: {plan.reason}")
     if not plan.feasible:
@@ -138,10 +142,10 @@ def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throug
     for name, count, targets, steps, speed in parts:
         if not steps:
             raise SimulationSetupError(f"the {plan.policy} plan has no {objective} step plans")
-        timer = _timer(ctx, steps, targets, feedback_s)
+        timer = _timer(ctx, steps, targets, feedback_s, link)
         main = max(steps, key=lambda s: s.repeats)
         for r in range(count):
-            buckets = Buckets.default(main.batch, None if family == "diffusion" else max_context)
+            buckets = Buckets.default(main.batch, None if family == "diffusion" else max_context, min_prompt)
             sched = Scheduler(stages_for(family, denoise), main.batch, buckets,
                               None if family == "diffusion" else max_context)
             engines.append(Engine(f"{name}#{r}" if count > 1 else name, sched, timer, _lanes(steps), speed,
@@ -242,11 +246,14 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
 
 def simulate(ctx: PlanContext, plan: DeploymentPlan, seed: int = 0, objective: str = "throughput",
              max_context: int | None = DEFAULT_MAX_CONTEXT, feedback_s: float = 0.0, progress=None,
-             workload: Workload | None = None) -> SimResult:
-    """Serve ``workload`` (default: ``ctx``'s) with ``plan``: every arrival completes or is rejected.
-    ``progress(done, total)`` is called as requests finish."""
-    engines = engines_for(ctx, plan, objective, max_context, feedback_s)
-    requests = run_requests(engines, arrivals(workload or ctx.workload, seed), progress)
+             workload: Workload | None = None, min_prompt: int = 128, link: Link | None = None,
+             draws: list[tuple[float, int, int]] | None = None) -> SimResult:
+    """Serve ``workload`` (default: ``ctx``'s; or explicit ``draws`` of (arrival, input, output)) with ``plan``:
+    every arrival completes or is rejected. ``progress(done, total)`` is called as requests finish."""
+    engines = engines_for(ctx, plan, objective, max_context, feedback_s, min_prompt, link)
+    requests = ([Request(i, t, a, b) for i, (t, a, b) in enumerate(draws)] if draws is not None
+                else arrivals(workload or ctx.workload, seed))
+    requests = run_requests(engines, requests, progress)
     served = [r for r in requests if r.rejected is None]
     rejected = [r for r in requests if r.rejected is not None]
     start = min((r.arrival_s for r in requests), default=0.0)

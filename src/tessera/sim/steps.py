@@ -53,13 +53,16 @@ class StepTime:
 
 class StepTimer:
     """Times one deployment's steps at any bucket (cached). ``targets`` are the replica's targets the step
-    plans index; ``feedback_s`` is the driver's round trip between a step's outputs and the next inputs."""
+    plans index; ``feedback_s`` is the driver's round trip between a step's outputs and the next inputs;
+    ``link`` (optional) replaces the cluster's link between every pair of targets (a measured one)."""
 
-    def __init__(self, ctx: PlanContext, steps: list[StepPlan], targets: list[Target], feedback_s: float = 0.0):
+    def __init__(self, ctx: PlanContext, steps: list[StepPlan], targets: list[Target], feedback_s: float = 0.0,
+                 link: Link | None = None):
         self.ctx = ctx
         self.steps = {s.phase: s for s in steps}
         self.targets = targets
         self.feedback_s = feedback_s
+        self.link_override = link
         self._cache: dict[tuple, StepTime] = {}
         self._programs: dict[tuple, StepPrograms] = {}
 
@@ -79,6 +82,8 @@ class StepTimer:
         return max(1, min(m, rows))
 
     def link(self, a: int, b: int) -> Link:
+        if self.link_override is not None:
+            return self.link_override
         return link_between(self.ctx.cluster, self.targets[a], self.targets[b])
 
     def programs(self, phase: str, rows: int, seq: int | None = None, ctx: int | None = None) -> StepPrograms:
