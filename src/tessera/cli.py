@@ -24,7 +24,9 @@ def _mount_subcommands() -> None:
     from tessera.hardware.cli import register as register_hardware
     from tessera.plan.cli import register as register_plan
     from tessera.runtime.cli import register as register_run
+    from tessera.serve.cli import register as register_serve
     from tessera.sim.cli import register as register_simulate
+    from tessera.sim.evaluate_cli import register as register_evaluate
 
     app.add_typer(ptx_app, name="ptx", help="Analyse and instrument PTX of opaque kernels.")
     register_hardware(app)
@@ -32,6 +34,8 @@ def _mount_subcommands() -> None:
     register_plan(app)
     register_run(app)
     register_simulate(app)
+    register_evaluate(app)
+    register_serve(app)
 
 
 _mount_subcommands()

@@ -1,0 +1,824 @@
+"""The evaluation suite behind ``tessera evaluate``: every policy planned and simulated on the evaluation
+models, GPU pairs, clusters and networks. Every GPU figure here is a **prediction**: plans come from the
+cost model (:mod:`tessera.plan`), and each plan is served by the request-level simulator
+(:mod:`tessera.sim.requests`), whose steps are the deployment's device programs timed by the cost model.
+The planner's own estimate is kept beside the simulated figure.
+
+Sections (``SECTIONS``):
+
+* ``offline``: every policy's throughput on each (model, GPU pair) for a finite workload that arrives at
+  once, and its throughput per cost normalised to the expensive GPU of the pair alone;
+* ``online``: Poisson arrivals with request lengths from a published trace: the highest rate each policy
+  sustains with a mean normalised latency (end-to-end latency / output tokens) within a target, found by
+  bisection on the rate, and P99 TTFT / TPOT at one fixed rate;
+* ``clusters``: larger clusters (several GPUs per type);
+* ``network``: the inter-node bandwidth swept, every policy re-planned and simulated at each point;
+* ``two-gpus``: per model and pair, whether the heterogeneous pair beats two of the pair's expensive GPU,
+  and at what cost.
+
+The work is cut into tasks (``plan_tasks``): per model, its offline cases on every pair with the
+two-gpus and network items that reuse them; each online model; each cluster. Tasks run in this process or
+in worker processes (``jobs``), longest first. Traced graphs depend only on the model and the step's shape,
+so every context of one model in a process shares one graph cache. No item starts after the time budget
+(``budget_s``); items left out are reported as skipped, so the suite ends in bounded time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from tessera.errors import TesseraError
+
+SECTIONS = ("offline", "online", "clusters", "network", "two-gpus")
+MODELS = ("llama-3.1-8b", "gpt-oss-20b", "mamba-codestral-7b", "qwen2.5-vl-7b", "sd3.5-medium")
+PAIRS = ("A100+L40S", "H100+RTXPRO6000", "B200+H100")
+LLM_WORKLOAD = "fixed:in=1024,out=1024,requests=192"
+IMAGE_WORKLOAD = "images:steps=28,resolution=1024,requests=16"
+
+
+class SuiteError(TesseraError, ValueError):
+    """A suite request that cannot run: an unknown section, a bad pair or cluster, a bad setting."""
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    """What the suite evaluates. The defaults are the full evaluation; ``quick()`` is a tiny one for tests."""
+
+    models: tuple[str, ...] = MODELS
+    pairs: tuple[str, ...] = PAIRS
+    llm_workload: str = LLM_WORKLOAD
+    image_workload: str = IMAGE_WORKLOAD
+    max_batch: int | None = None  # None: 64 sequences (4 images) in flight, at most the requests of the workload
+    online_models: tuple[str, ...] = ("llama-3.1-8b", "gpt-oss-20b", "mamba-codestral-7b", "qwen2.5-vl-7b")
+    online_pair: str = "A100+L40S"
+    online_lengths: str = "azure-conv"
+    online_requests: int = 200
+    latency_target_s: float = 0.05  # mean normalised latency (seconds per output token) a sustained rate meets
+    bisection_steps: int = 4  # after bracketing the sustained rate within a factor of 2
+    clusters: tuple[tuple[str, str], ...] = (("gpt-oss-20b", "A100:2,L40S:1"), ("qwen3-235b-a22b", "B200:8,H100:8"))
+    network_models: tuple[str, ...] = ("llama-3.1-8b", "gpt-oss-20b")
+    network_pair: str = "A100+L40S"
+    bandwidths_gbps: tuple[float, ...] = (25, 50, 100, 200, 400)
+    two_gpu_models: tuple[str, ...] | None = None  # None: ``models``
+    policies: tuple[str, ...] | None = None  # None: every policy (``tessera plan --compare``)
+    prices: str = "relative"
+    seed: int = 0
+    budget_s: float = 720.0  # no item starts after this many seconds of the suite
+
+    @classmethod
+    def quick(cls, **kw: Any) -> SuiteConfig:
+        """A tiny suite (smollm2-135m, or ``models``, in every section; one pair; small workloads; the policies
+        without a MILP search) that checks the whole pipeline in a minute or two."""
+        models = tuple(kw.pop("models", ("smollm2-135m",)))
+        base = dict(models=models, pairs=("A100+L40S",), llm_workload="fixed:in=256,out=32,requests=16",
+                    image_workload="images:steps=4,resolution=256,requests=4", max_batch=8,
+                    online_models=models, online_requests=24, bisection_steps=2,
+                    clusters=tuple((m, "A100:2,L40S:1") for m in models), network_models=models,
+                    bandwidths_gbps=(25, 400),
+                    policies=("homogeneous", "request-dist", "prefill-decode", "layer-pipeline"), budget_s=600.0)
+        base.update(kw)
+        return cls(**base)
+
+    def check(self) -> None:
+        """Clear errors for settings that cannot run (before any planning starts)."""
+        from tessera.capture.models import resolve_model
+        from tessera.hardware.cluster import parse_cluster
+        from tessera.workload import load_lengths, parse_workload
+
+        for model in {*self.models, *self.online_models, *self.network_models, *(m for m, _ in self.clusters),
+                      *(self.two_gpu_models or ())}:
+            resolve_model(model)
+        for model in self.online_models:
+            if resolve_model(model).family == "diffusion":
+                raise SuiteError(f"online: {model} serves images, not tokens; the online section is for text "
+                                 "models (its latency target is per output token)")
+        for pair in {*self.pairs, self.online_pair, self.network_pair}:
+            split_pair(pair)
+        for _, spec in self.clusters:
+            parse_cluster(spec)
+        parse_workload(self.llm_workload)
+        parse_workload(self.image_workload)
+        load_lengths(self.online_lengths)
+        if self.policies is not None:
+            from tessera.plan.policies import check_policy
+
+            if not self.policies:
+                raise SuiteError("give at least one policy")
+            for p in self.policies:
+                check_policy(p)
+        if self.prices not in ("relative", "cloud_usd"):
+            raise SuiteError(f"prices must be relative or cloud_usd (got {self.prices!r})")
+        if self.online_requests < 1:
+            raise SuiteError(f"online requests must be at least 1 (got {self.online_requests})")
+        if self.bisection_steps < 0:
+            raise SuiteError(f"bisection steps must be at least 0 (got {self.bisection_steps})")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise SuiteError(f"max batch must be at least 1 (got {self.max_batch})")
+        if not self.latency_target_s > 0:
+            raise SuiteError(f"the latency target must be positive (got {self.latency_target_s} s)")
+        if not self.bandwidths_gbps or any(not b > 0 for b in self.bandwidths_gbps):
+            raise SuiteError(f"bandwidths must be positive Gb/s (got {self.bandwidths_gbps})")
+        if not self.budget_s > 0:
+            raise SuiteError(f"the time budget must be positive (got {self.budget_s} s)")
+
+
+def _rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def split_pair(pair: str) -> tuple[str, str]:
+    """("A100", "L40S") from "A100+L40S" (canonical device ids)."""
+    from tessera.hardware.catalog import UnknownDeviceError, canonical_id
+
+    parts = [p.strip() for p in pair.split("+")]
+    if len(parts) != 2 or not all(parts):
+        raise SuiteError(f"GPU pair {pair!r}: expected TYPE+TYPE, e.g. A100+L40S")
+    try:
+        a, b = (canonical_id(p) for p in parts)
+    except UnknownDeviceError as e:
+        raise SuiteError(f"GPU pair {pair!r}: {e}") from None
+    if a == b:
+        raise SuiteError(f"GPU pair {pair!r}: the two devices must be of different types")
+    return a, b
+
+
+def check_sections(names: list[str] | None) -> tuple[str, ...]:
+    """The sections to run, in suite order (all of them for None or an empty list)."""
+    if not names:
+        return SECTIONS
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        raise SuiteError(f"unknown section {', '.join(map(repr, unknown))}; sections: {', '.join(SECTIONS)}")
+    return tuple(s for s in SECTIONS if s in names)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Results
+
+@dataclass
+class PolicyRun:
+    """One policy's plan on one cluster, and what serving the workload with it achieved (simulated).
+
+    ``status``: ok, n/a (the policy does not apply), no fit (does not fit the devices' memory), failed (the
+    simulator could not serve it; ``reason`` says why) or skipped (time budget)."""
+
+    policy: str
+    device: str | None
+    status: str
+    reason: str = ""
+    planned: float | None = None  # the planner's throughput estimate (cost model, no simulation)
+    simulated: float | None = None  # the simulated throughput (outputs over the makespan)
+    cost_per_hour: float | None = None
+    replicas: int = 1
+    ttft_p50_s: float | None = None
+    ttft_p99_s: float | None = None
+    tpot_p50_s: float | None = None
+    tpot_p99_s: float | None = None
+    norm_latency_s: float | None = None
+    completed: int = 0
+    rejected: int = 0
+    per_cost_vs_expensive: float | None = None  # (simulated / cost) over the expensive GPU alone's; offline only
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy} ({self.device})" if self.device else self.policy
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def per_cost(self) -> float | None:
+        if self.simulated is None or not self.cost_per_hour:
+            return None
+        return self.simulated / self.cost_per_hour
+
+
+@dataclass
+class Case:
+    """Every policy on one (model, cluster, workload)."""
+
+    model: str
+    cluster: str  # as given (shorthand, or a pair such as A100+L40S)
+    described: str  # the cluster's one-line description (links included)
+    workload: str
+    unit: str
+    runs: list[PolicyRun]
+    seconds: float = 0.0
+    expensive: str | None = None  # the pair's pricier device type
+
+    def run(self, policy: str, device: str | None = None) -> PolicyRun | None:
+        return next((r for r in self.runs if r.policy == policy and (device is None or r.device == device)), None)
+
+    @property
+    def tessera(self) -> PolicyRun | None:
+        return self.run("tessera")
+
+    def best(self, simulated: bool = True) -> PolicyRun | None:
+        """The run with the highest simulated (or planned) throughput."""
+        key = "simulated" if simulated else "planned"
+        ok = [r for r in self.runs if r.ok and getattr(r, key) is not None]
+        return max(ok, key=lambda r: getattr(r, key), default=None)
+
+
+@dataclass
+class OnlineRun:
+    """One policy under Poisson arrivals: the highest rate it sustains within the latency target, the
+    (rate, normalised latency) points the search simulated, and its tails at the fixed rate."""
+
+    policy: str
+    device: str | None
+    status: str
+    reason: str = ""
+    planned: float | None = None
+    sustained_rps: float | None = None  # highest rate simulated that met the target (None: not even the lowest)
+    bracket: tuple[float | None, float | None] = (None, None)  # (highest rate met, lowest rate missed)
+    samples: list[tuple[float, float]] = field(default_factory=list)  # (rate, mean normalised latency s)
+    at_fixed: dict[str, Any] | None = None  # simulate().summary() at the fixed rate
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy} ({self.device})" if self.device else self.policy
+
+
+@dataclass
+class OnlineCase:
+    model: str
+    cluster: str
+    described: str
+    workload: str  # the planning workload (its rate is replaced by each simulated rate)
+    runs: list[OnlineRun]
+    fixed_rate: float | None = None
+    fixed_rate_rule: str = ""
+    mean_output: float = 0.0
+    seconds: float = 0.0
+    expensive: str | None = None
+    status: str = "ok"  # failed: the simulator cannot serve this model's requests (``reason``); runs are empty
+    reason: str = ""
+
+
+@dataclass
+class NetworkCase:
+    """One model re-planned and simulated at each inter-node bandwidth (Gb/s -> every policy's run)."""
+
+    model: str
+    pair: str
+    workload: str
+    unit: str
+    points: dict[float, list[PolicyRun]] = field(default_factory=dict)
+    skipped: list[float] = field(default_factory=list)
+    expensive: str | None = None
+
+
+@dataclass
+class PairVsTwo:
+    """A heterogeneous pair against two of its expensive GPU (homogeneous: replicas or one sharded group)."""
+
+    model: str
+    gpus: str  # the pair, e.g. A100+L40S
+    expensive: str
+    unit: str
+    two: PolicyRun | None  # homogeneous on expensive:2
+    pair: PolicyRun | None  # Tessera's plan on the pair (the best simulated one when Tessera was not planned)
+    best: PolicyRun | None  # the pair's best simulated policy
+    status: str = "ok"
+    reason: str = ""
+
+
+@dataclass
+class SuiteResult:
+    config: SuiteConfig
+    sections: tuple[str, ...]
+    machine: dict[str, str]
+    started: str
+    offline: list[Case] = field(default_factory=list)
+    online: list[OnlineCase] = field(default_factory=list)
+    clusters: list[Case] = field(default_factory=list)
+    network: list[NetworkCase] = field(default_factory=list)
+    two_gpus: list[PairVsTwo] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # work per section (summed over jobs); "total": wall
+    skipped: list[str] = field(default_factory=list)  # items left out for the time budget
+    jobs: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        d = asdict(self)
+        for case in d["network"]:
+            case["points"] = {f"{k:g}": v for k, v in case["points"].items()}
+        return d
+
+
+def machine_info() -> dict[str, str]:
+    """This host, as the report's header states it (the planner's solver has a time limit, so results depend
+    a little on the machine's speed)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo").read().splitlines():  # noqa: SIM115
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import numpy
+    import torch
+
+    return {"cpu": cpu, "cores": str(os.cpu_count() or 1), "python": platform.python_version(),
+            "torch": torch.__version__, "numpy": numpy.__version__, "os": f"{platform.system()} {platform.release()}"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The suite
+
+class Suite:
+    """Runs tasks of a SuiteConfig in one process, sharing traced graphs and offline cases between them."""
+
+    def __init__(self, config: SuiteConfig, progress=None, detail=None):
+        self.config = config
+        self.progress = progress  # callable(str) for progress lines
+        self.detail = detail  # callable(str) for the planner's own progress lines, or None
+        self._graphs: dict[str, dict] = {}
+        self._offline: dict[tuple[str, str], Case] = {}
+        self._t0 = time.time()
+        self._deadline = math.inf
+        self.skipped: list[str] = []
+        self.section_seconds: dict[str, float] = {}
+        self.pid: int | None = None
+
+    # -- helpers -------------------------------------------------------------------------------------------
+
+    def set_clock(self, deadline: float, t0: float) -> None:
+        """The suite's start and the time after which no item starts (``time.time()`` seconds)."""
+        self._deadline, self._t0 = deadline, t0
+
+    def say(self, text: str) -> None:
+        if self.progress is not None:
+            who = f" pid {self.pid}" if self.pid else ""
+            self.progress(f"[{time.time() - self._t0:5.0f} s{who}] {text}")
+
+    def out_of_time(self, what: str) -> bool:
+        if time.time() < self._deadline:
+            return False
+        self.skipped.append(what)
+        self.say(f"skipped (time budget): {what}")
+        return True
+
+    def workload_for(self, model: str) -> str:
+        from tessera.capture.models import resolve_model
+
+        return self.config.image_workload if resolve_model(model).family == "diffusion" else self.config.llm_workload
+
+    def context(self, model: str, cluster, workload_text: str):
+        """A PlanContext sharing this model's traced graphs with every other context of the suite."""
+        from tessera.cost.options import CostOptions
+        from tessera.hardware.cluster import Cluster, parse_cluster
+        from tessera.plan.context import PlanContext
+        from tessera.workload import parse_workload
+
+        cl = cluster if isinstance(cluster, Cluster) else parse_cluster(cluster)
+        ctx = PlanContext(model, cl, parse_workload(workload_text), workload_text, self.config.max_batch,
+                          CostOptions(), price_scenario=self.config.prices, progress=self.detail)
+        # traced graphs depend on the model and the step's shape only (the key holds the shape)
+        ctx._graphs = self._graphs.setdefault(model, {})
+        return ctx
+
+    def expensive(self, pair: str) -> str:
+        from tessera.hardware.catalog import resolve_device
+
+        a, b = split_pair(pair)
+        return max((a, b), key=lambda d: resolve_device(d).price(self.config.prices))
+
+    @staticmethod
+    def pair_cluster(pair: str, gbps: float | None = None):
+        from tessera.hardware.cluster import DEFAULT_LATENCY_S, Link, parse_cluster
+
+        a, b = split_pair(pair)
+        cl = parse_cluster(f"{a}:1,{b}:1")
+        if gbps is not None:
+            cl = replace(cl, inter=Link(cl.inter.kind, gbps * 1e9 / 8, DEFAULT_LATENCY_S[cl.inter.kind]))
+        return cl
+
+    def simulate_plan(self, ctx, plan) -> PolicyRun:
+        """A plan as a PolicyRun: simulated when it applies and fits."""
+        from tessera.sim.requests import simulate
+
+        run = PolicyRun(plan.policy, plan.device, "ok", plan.reason, replicas=plan.replicas)
+        if not plan.applicable:
+            run.status = "n/a"
+            return run
+        run.planned = plan.throughput
+        run.cost_per_hour = plan.cost_per_hour
+        if not plan.feasible:
+            run.status = "no fit"
+            return run
+        try:
+            res = simulate(ctx, plan, seed=self.config.seed)
+        except TesseraError as e:
+            run.status, run.reason = "failed", f"{e}"
+            return run
+        s = res.summary()
+        run.simulated = res.throughput
+        run.completed, run.rejected = res.completed, res.rejected
+        run.norm_latency_s = res.norm_latency_s
+        for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"):
+            setattr(run, k, s[k])
+        return run
+
+    def plans(self, ctx) -> list:
+        """Every policy's plan (``tessera plan --compare``), or those of the configured policies (homogeneous
+        once per device type), in the same order."""
+        from tessera.plan.planner import compare, plan_policy
+        from tessera.plan.policies import POLICIES
+
+        wanted = self.config.policies
+        if wanted is None or set(wanted) == set(POLICIES):
+            return compare(ctx)
+        out = []
+        for policy in POLICIES:
+            if policy not in wanted:
+                continue
+            if policy == "homogeneous":
+                out += [plan_policy(ctx, policy, device=rid) for rid in ctx.cluster.placement_types()]
+            else:
+                out.append(plan_policy(ctx, policy))
+        return out
+
+    def compare_case(self, model: str, cluster, label: str, workload_text: str | None = None,
+                     same_nodes: Case | None = None) -> Case:
+        """Every policy planned and simulated on one cluster. ``same_nodes``: a case on the same nodes with
+        another network, whose homogeneous and request-dist runs are reused: those plans keep each device
+        type on its own node, so they never use the network (their plans are the same)."""
+        t0 = time.perf_counter()
+        text = workload_text or self.workload_for(model)
+        ctx = self.context(model, cluster, text)
+        plans = self.plans(ctx)
+        runs = []
+        for p in plans:
+            again = same_nodes.run(p.policy, p.device) if same_nodes is not None else None
+            local = p.policy in ("homogeneous", "request-dist")
+            runs.append(again if local and again is not None and again.planned == p.throughput
+                        else self.simulate_plan(ctx, p))
+        case = Case(model, label, ctx.cluster.describe(), text, ctx.unit, runs, time.perf_counter() - t0)
+        best = case.best()
+        self.say(f"{model} on {ctx.cluster.describe()}: {len(runs)} plans simulated in {case.seconds:.0f} s"
+                 + (f"; best simulated {best.label} {best.simulated:,.4g} {case.unit}" if best else ""))
+        return case
+
+    def offline_case(self, model: str, pair: str) -> Case:
+        """Every policy on one GPU of each type of ``pair`` (cached: network and two-gpus reuse it)."""
+        key = (model, pair)
+        if key not in self._offline:
+            case = self.compare_case(model, self.pair_cluster(pair), pair)
+            case.expensive = self.expensive(pair)
+            alone = case.run("homogeneous", case.expensive)
+            base = alone.per_cost if alone is not None and alone.ok else None
+            for r in case.runs:
+                if base and r.per_cost is not None:
+                    r.per_cost_vs_expensive = r.per_cost / base
+            self._offline[key] = case
+        return self._offline[key]
+
+    # -- items ---------------------------------------------------------------------------------------------
+
+    def timed(self, section: str, t0: float) -> None:
+        self.section_seconds[section] = self.section_seconds.get(section, 0.0) + time.perf_counter() - t0
+
+    def run_task(self, task: Task) -> TaskResult:
+        """One task's items, each skipped when the deadline has passed before it starts."""
+        out = TaskResult(task)
+        t_start = time.perf_counter()
+        cfg = self.config
+        if task.kind == "pairs":
+            for pair in task.pairs:
+                if not self.out_of_time(f"offline {task.model} on {pair}"):
+                    t0 = time.perf_counter()
+                    out.offline.append(self.offline_case(task.model, pair))
+                    self.timed("offline", t0)
+            for pair in task.two_pairs:
+                if not self.out_of_time(f"two-gpus {task.model} on {pair}"):
+                    t0 = time.perf_counter()
+                    out.two_gpus.append(self.pair_vs_two(task.model, pair))
+                    self.timed("two-gpus", t0)
+            if task.bandwidths:
+                t0 = time.perf_counter()
+                out.network = self.network_case(task.model, task.bandwidths)
+                self.timed("network", t0)
+        elif task.kind == "online":
+            if not self.out_of_time(f"online {task.model} on {cfg.online_pair}"):
+                t0 = time.perf_counter()
+                out.online = self.online_case(task.model)
+                self.timed("online", t0)
+        elif not self.out_of_time(f"cluster {task.cluster} with {task.model}"):
+            t0 = time.perf_counter()
+            out.cluster = self.compare_case(task.model, task.cluster, task.cluster)
+            self.timed("clusters", t0)
+        out.skipped, self.skipped = self.skipped, []
+        out.section_seconds, self.section_seconds = self.section_seconds, {}
+        out.seconds = time.perf_counter() - t_start
+        return out
+
+    def online_case(self, model: str) -> OnlineCase:
+        cfg = self.config
+        t0 = time.perf_counter()
+        text = f"poisson:rate=1,lengths={cfg.online_lengths},requests={cfg.online_requests}"
+        ctx = self.context(model, self.pair_cluster(cfg.online_pair), text)
+        if ctx.unit != "tokens/s":
+            raise SuiteError(f"online: {model} does not generate tokens; the online section is for text models")
+        mean_out = float(sum(ctx.workload.lengths.outputs) / len(ctx.workload.lengths.outputs))
+        case = OnlineCase(model, cfg.online_pair, ctx.cluster.describe(), text, [], mean_output=mean_out,
+                          expensive=self.expensive(cfg.online_pair))
+        problem = self._probe(ctx, case.expensive, mean_out)
+        if problem:  # the same failure would repeat for every policy: no need to plan them
+            case.status, case.reason = "failed", problem
+            case.seconds = time.perf_counter() - t0
+            self.say(f"online {model}: the simulator cannot serve these requests ({problem})")
+            return case
+        plans = self.plans(ctx)
+        runs = [self._sustained(ctx, p, mean_out) for p in plans]
+        case.runs = runs
+        self._fixed_rate(case)
+        for r, p in zip(runs, plans, strict=True):
+            if r.status == "ok" and case.fixed_rate:
+                r.at_fixed = self._at_rate(ctx, p, case.fixed_rate).summary()
+        case.seconds = time.perf_counter() - t0
+        top = max((r for r in runs if r.sustained_rps), key=lambda r: r.sustained_rps, default=None)
+        self.say(f"online {model}: {sum(len(r.samples) for r in runs)} simulations in {case.seconds:.0f} s"
+                 + (f"; highest sustained rate {top.label} {_rate(top.sustained_rps)} req/s" if top else ""))
+        return case
+
+    def _probe(self, ctx, device: str, mean_out: float) -> str | None:
+        """Why the simulator cannot serve the online requests at all (tried with ``device`` alone at a low
+        rate; its step timings are kept for the homogeneous plan that follows), or None."""
+        from tessera.plan.planner import plan_policy
+
+        try:
+            plan = plan_policy(ctx, "homogeneous", device=device)
+            if not (plan.applicable and plan.feasible):
+                return None
+            self._at_rate(ctx, plan, max(1e-3, 0.3 * plan.throughput / max(mean_out, 1.0)))
+        except TesseraError as e:
+            return str(e)
+        return None
+
+    def _at_rate(self, ctx, plan, rate: float):
+        from tessera.sim.requests import simulate
+        from tessera.workload import PoissonWorkload
+
+        w = PoissonWorkload(rate, ctx.workload.lengths, self.config.online_requests)
+        return simulate(ctx, plan, seed=self.config.seed, workload=w)
+
+    def _sustained(self, ctx, plan, mean_out: float) -> OnlineRun:
+        """Bisection on the Poisson rate (geometric): bracket the target within a factor of 2 from the
+        planner's estimate, then halve the bracket ``bisection_steps`` times (in log space). The same seed at
+        every rate scales one arrival pattern, so the latency grows with the rate."""
+        run = OnlineRun(plan.policy, plan.device, "ok", plan.reason)
+        if not plan.applicable:
+            run.status = "n/a"
+            return run
+        run.planned = plan.throughput
+        if not plan.feasible:
+            run.status = "no fit"
+            return run
+        target = self.config.latency_target_s
+
+        def meets(rate: float) -> bool:
+            res = self._at_rate(ctx, plan, rate)
+            run.samples.append((rate, res.norm_latency_s))
+            return res.completed > 0 and res.norm_latency_s <= target
+
+        try:
+            lo = hi = None
+            rate = max(1e-3, 0.6 * plan.throughput / max(mean_out, 1.0))
+            for _ in range(8):
+                if meets(rate):
+                    lo = rate
+                    if hi is not None:
+                        break
+                    rate *= 2
+                else:
+                    hi = rate
+                    if lo is not None:
+                        break
+                    rate /= 2
+            if lo is not None and hi is not None:
+                for _ in range(self.config.bisection_steps):
+                    mid = math.sqrt(lo * hi)
+                    if meets(mid):
+                        lo = mid
+                    else:
+                        hi = mid
+        except TesseraError as e:
+            run.status, run.reason = "failed", str(e)
+            return run
+        run.sustained_rps, run.bracket = lo, (lo, hi)
+        run.samples.sort()
+        return run
+
+    @staticmethod
+    def _fixed_rate(case: OnlineCase) -> None:
+        """The rate the tails are compared at: what the pair's expensive GPU alone sustains (two significant
+        figures, rounded down); else half the highest sustained rate."""
+        rates = [(r, r.sustained_rps) for r in case.runs if r.sustained_rps]
+        if not rates:
+            return
+        alone = next((v for r, v in rates if r.policy == "homogeneous" and r.device == case.expensive), None)
+        if alone:
+            rule = f"the rate {case.expensive} alone sustains, rounded down to two significant figures"
+        else:
+            alone = 0.5 * max(v for _, v in rates)
+            rule = "half the highest sustained rate, rounded down to two significant figures"
+        digits = 1 - math.floor(math.log10(alone))
+        case.fixed_rate = math.floor(alone * 10 ** digits) / 10 ** digits
+        case.fixed_rate_rule = rule
+
+    def network_case(self, model: str, bandwidths: tuple[float, ...]) -> NetworkCase:
+        """Every policy re-planned and simulated at each inter-node bandwidth; the shorthand's own 200 Gb/s
+        is the offline case when this process computed it."""
+        from tessera.hardware.cluster import DEFAULT_NETWORK_GBPS
+
+        cfg = self.config
+        text = self.workload_for(model)
+        case = NetworkCase(model, cfg.network_pair, text, "", expensive=self.expensive(cfg.network_pair))
+        default = DEFAULT_NETWORK_GBPS["ib"]
+        ref = None
+        for gbps in sorted(bandwidths, key=lambda g: (g != default, g)):  # the shorthand's own network first
+            if self.out_of_time(f"network {model} at {gbps:g} Gb/s"):
+                case.skipped.append(gbps)
+                continue
+            if gbps == default:
+                c = ref = self.offline_case(model, cfg.network_pair)
+            else:
+                c = self.compare_case(model, self.pair_cluster(cfg.network_pair, gbps), cfg.network_pair, text,
+                                      same_nodes=ref)
+            case.points[float(gbps)] = c.runs
+            case.unit = c.unit
+        case.points = dict(sorted(case.points.items()))
+        return case
+
+    def pair_vs_two(self, model: str, pair: str) -> PairVsTwo:
+        from tessera.plan.planner import plan_policy
+
+        exp = self.expensive(pair)
+        pair_case = self.offline_case(model, pair)
+        ctx = self.context(model, f"{exp}:2", self.workload_for(model))
+        try:
+            two = self.simulate_plan(ctx, plan_policy(ctx, "homogeneous", device=exp))
+        except TesseraError as e:
+            two = PolicyRun("homogeneous", exp, "failed", str(e))
+        best = pair_case.best()
+        mine = pair_case.tessera or best
+        entry = PairVsTwo(model, pair, exp, pair_case.unit, two, mine, best)
+        problems = [f"{name}: {r.status} ({r.reason})" for name, r in
+                    ((f"{exp}:2", two), (f"{pair} {mine.label if mine else ''}", mine))
+                    if r is not None and not r.ok]
+        if mine is None:
+            problems.append(f"no plan on {pair} could be simulated")
+        if problems:
+            entry.status, entry.reason = "incomplete", "; ".join(problems)
+        self.say(f"{model}: {pair} vs {exp}:2"
+                 + (f": {mine.label} {mine.simulated / two.simulated:.2f}x the throughput"
+                    if entry.status == "ok" else f": {entry.reason}"))
+        return entry
+
+
+@dataclass(frozen=True)
+class Task:
+    """A unit of parallel work: one model's items that share traced graphs and offline cases.
+
+    ``pairs``: offline cases on each pair, then ``two_pairs`` (the pair against two of its expensive GPU)
+    and the network sweep at ``bandwidths``; ``online``: the model's online case; ``cluster``: every policy
+    on ``cluster``."""
+
+    kind: str  # pairs | online | cluster
+    model: str
+    pairs: tuple[str, ...] = ()
+    two_pairs: tuple[str, ...] = ()
+    bandwidths: tuple[float, ...] = ()
+    cluster: str = ""
+
+    def weight(self) -> float:
+        """A rough cost, to start the longest tasks first."""
+        from tessera.capture.models import resolve_model
+
+        params = (resolve_model(self.model).params or 1e9) / 1e9
+        if self.kind == "cluster":
+            from tessera.hardware.cluster import parse_cluster
+
+            return (10 + len(parse_cluster(self.cluster).devices)) * max(1.0, math.log2(1 + params))
+        if self.kind == "online":
+            return 8.0
+        return 10.0 * len(self.pairs) + 2.0 * len(self.two_pairs) + 4.0 * len(self.bandwidths)
+
+
+@dataclass
+class TaskResult:
+    task: Task
+    offline: list[Case] = field(default_factory=list)
+    two_gpus: list[PairVsTwo] = field(default_factory=list)
+    network: NetworkCase | None = None
+    online: OnlineCase | None = None
+    cluster: Case | None = None
+    skipped: list[str] = field(default_factory=list)
+    section_seconds: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def plan_tasks(config: SuiteConfig, sections: tuple[str, ...]) -> list[Task]:
+    """The suite's work as tasks, longest first."""
+    tasks = []
+    two_models = config.two_gpu_models or config.models
+    for model in dict.fromkeys([*config.models, *two_models, *config.network_models]):
+        pairs = config.pairs if "offline" in sections and model in config.models else ()
+        two = config.pairs if "two-gpus" in sections and model in two_models else ()
+        bw = tuple(config.bandwidths_gbps) if "network" in sections and model in config.network_models else ()
+        if pairs or two or bw:
+            tasks.append(Task("pairs", model, tuple(pairs), tuple(two), bw))
+    if "online" in sections:
+        tasks += [Task("online", m) for m in config.online_models]
+    if "clusters" in sections:
+        tasks += [Task("cluster", m, cluster=spec) for m, spec in config.clusters]
+    return sorted(tasks, key=lambda t: -t.weight())
+
+
+_WORKER: Suite | None = None  # a worker process's suite: its graph caches live across the tasks it runs
+
+
+def _worker_init(config: SuiteConfig, deadline: float, t0: float) -> None:
+    global _WORKER
+    import os as _os
+
+    import torch
+
+    torch.set_num_threads(1)  # one core per worker process
+    _WORKER = Suite(config, default_progress)
+    _WORKER.set_clock(deadline, t0)
+    _WORKER.pid = _os.getpid()
+
+
+def _worker_run(task: Task) -> TaskResult:
+    assert _WORKER is not None
+    return _WORKER.run_task(task)
+
+
+def _assemble(config: SuiteConfig, sections: tuple[str, ...], results: list[TaskResult], started: str,
+              seconds: float, jobs: int) -> SuiteResult:
+    """The tasks' results in the suite's order."""
+    result = SuiteResult(config, sections, machine_info(), started, jobs=jobs)
+    pairs, models = list(config.pairs), list(config.models)
+    two_models = list(config.two_gpu_models or config.models)
+    result.offline = sorted((c for r in results for c in r.offline),
+                            key=lambda c: (pairs.index(c.cluster), models.index(c.model)))
+    result.two_gpus = sorted((e for r in results for e in r.two_gpus),
+                             key=lambda e: (pairs.index(e.gpus), two_models.index(e.model)))
+    result.network = sorted((r.network for r in results if r.network is not None),
+                            key=lambda c: list(config.network_models).index(c.model))
+    result.online = sorted((r.online for r in results if r.online is not None),
+                           key=lambda c: list(config.online_models).index(c.model))
+    order = list(config.clusters)
+    result.clusters = sorted((r.cluster for r in results if r.cluster is not None),
+                             key=lambda c: order.index((c.model, c.cluster)))
+    for r in results:
+        result.skipped += r.skipped
+        for name, t in r.section_seconds.items():
+            result.seconds[name] = result.seconds.get(name, 0.0) + t
+    result.seconds["total"] = seconds
+    return result
+
+
+def run_suite(config: SuiteConfig, sections: tuple[str, ...] = SECTIONS, progress=None, detail=None,
+              jobs: int = 1) -> SuiteResult:
+    """Run the suite's sections. ``jobs`` > 1 runs its tasks in that many worker processes (which print their
+    own progress lines on stderr); else they run here, with progress lines through ``progress`` and the
+    planner's through ``detail``. Items that cannot start within ``config.budget_s`` are skipped."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    config.check()
+    sections = check_sections(list(sections))
+    if jobs < 1:
+        raise SuiteError(f"jobs must be at least 1 (got {jobs})")
+    started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    t0 = time.time()
+    deadline = t0 + config.budget_s
+    tasks = plan_tasks(config, sections)
+    if jobs == 1 or len(tasks) == 1:
+        suite = Suite(config, progress, detail)
+        suite.set_clock(deadline, t0)
+        results = [suite.run_task(t) for t in tasks]
+    else:
+        (progress or default_progress)(f"{len(tasks)} tasks on {min(jobs, len(tasks))} worker processes")
+        with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=get_context("spawn"), initializer=_worker_init,
+                                 initargs=(config, deadline, t0)) as pool:
+            results = list(pool.map(_worker_run, tasks))
+    return _assemble(config, sections, results, started, time.time() - t0, jobs)
+
+
+def default_progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
