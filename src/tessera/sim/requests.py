@@ -138,6 +138,10 @@ def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throug
         parts.append((plan.policy, plan.replicas, targets, steps, plan.throughput / max(plan.replicas, 1)))
     family = ctx.spec.family
     denoise = ctx.workload.steps if isinstance(ctx.workload, ImagesWorkload) else 28
+    if family == "vlm":  # a prompt holds the image's tokens: no prompt bucket may be shorter
+        prefill = next(p for p in ctx.phases if p.phase == "prefill")
+        meta = ctx.graph(prefill).meta
+        min_prompt = max(min_prompt, int(meta["image_start"]) + int(meta["image_tokens"]))
     engines = []
     for name, count, targets, steps, speed in parts:
         if not steps:
@@ -146,6 +150,8 @@ def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throug
         main = max(steps, key=lambda s: s.repeats)
         for r in range(count):
             buckets = Buckets.default(main.batch, None if family == "diffusion" else max_context, min_prompt)
+            if family == "ssm":  # an SSM's state does not grow with the context: one decode shape
+                buckets = Buckets(buckets.batch, buckets.seq)
             sched = Scheduler(stages_for(family, denoise), main.batch, buckets,
                               None if family == "diffusion" else max_context)
             engines.append(Engine(f"{name}#{r}" if count > 1 else name, sched, timer, _lanes(steps), speed,

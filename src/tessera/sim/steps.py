@@ -3,7 +3,9 @@ the runtime's own programs (:mod:`tessera.program.program`) through the discrete
 :mod:`tessera.sim.programs` with the cost model's kernel times and the cluster's links.
 
 A step plan places the kernels of its phase's graph; at another bucket (fewer rows, a longer context)
-the graph has the same kernels at other shapes, so the same placement applies: the graph is traced at
+the graph has the same kernels at other shapes, so the same placement applies (where the count differs,
+as for an SSM prefill whose chunked scan repeats per chunk, each kernel takes the target of the planned
+kernel of the same module and op, :func:`transfer_assignment`): the graph is traced at
 the bucket, every kernel is timed on its target, the programs are built (exact bytes per transfer) and
 run, once alone and streamed back to back (the steady-state period is the better of the two: the
 engine streams a bucket only where streaming pays). Results are cached per (phase, bucket, M).
@@ -15,16 +17,18 @@ combine, as the parts run in parallel; the parts' token transfers are not in the
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from tessera.errors import TesseraError
+from tessera.graph.ir import KernelGraph
 from tessera.hardware.cluster import Link
 from tessera.plan.context import PhaseSpec, PlanContext
 from tessera.plan.deployment import StepPlan
 from tessera.plan.targets import Target, link_between
-from tessera.program.program import StepPrograms, build_programs
+from tessera.program.program import PlacementError, StepPrograms, build_programs
 from tessera.sim.programs import simulate_programs, simulate_stream
 
 STREAM_STEPS = 4  # steps streamed to measure the steady-state period
@@ -32,6 +36,21 @@ STREAM_STEPS = 4  # steps streamed to measure the steady-state period
 
 class StepTimingError(TesseraError):
     """A step plan that cannot be applied to a bucket's graph."""
+
+
+def transfer_assignment(planned: KernelGraph, graph: KernelGraph, assignment: list[int]) -> list[int]:
+    """``assignment`` (of ``planned``'s kernels) carried over to ``graph``, a trace of the same step at another
+    shape whose kernel count differs: each kernel takes the target of the planned kernel with the same module
+    scope and op at the same ordinal (the last one when the bucket repeats it more often), a kernel of a scope
+    the plan never saw its predecessor's."""
+    by_key: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for k in planned.kernels:
+        by_key[(k.scope, k.op)].append(int(assignment[k.index]))
+    out: list[int] = []
+    for k in graph.kernels:
+        seen = by_key.get((k.scope, k.op))
+        out.append(seen[min(k.ordinal, len(seen) - 1)] if seen else (out[-1] if out else int(assignment[0])))
+    return out
 
 
 @dataclass(frozen=True)
@@ -71,8 +90,10 @@ class StepTimer:
         if base is None:
             raise StepTimingError(f"{self.ctx.model} has no phase {phase!r} (phases: "
                                   f"{', '.join(p.phase for p in self.ctx.phases)})")
-        return replace(base, batch=rows, seq=seq if seq is not None else base.seq,
-                       ctx=ctx if ctx is not None else base.ctx)
+        seq = seq if seq is not None else base.seq
+        if ctx is None:  # no context buckets (an SSM's state does not grow): the traced cache holds the prompt
+            ctx = max(base.ctx, seq) if base.ctx is not None and seq is not None else base.ctx
+        return replace(base, batch=rows, seq=seq, ctx=ctx)
 
     def micro_batches(self, phase: str, rows: int) -> int:
         """The step plan's M, or the largest count below it that splits ``rows`` evenly."""
@@ -96,10 +117,15 @@ class StepTimer:
             spec = self.phase_spec(phase, rows, seq, ctx)
             m = self.micro_batches(phase, rows)
             graph = self.ctx.graph(spec, m)
-            if len(graph.kernels) != len(plan.assignment):
-                raise StepTimingError(f"{phase} at {rows} rows has {len(graph.kernels)} kernels, but its step plan "
-                                      f"places {len(plan.assignment)}: the bucket's graph differs from the plan's")
-            self._programs[key] = build_programs(graph, list(plan.assignment), [t.name for t in self.targets], m)
+            assignment = list(plan.assignment)
+            if len(graph.kernels) != len(assignment):  # e.g. a chunked SSM scan: more chunks for a longer prompt
+                base = next(p for p in self.ctx.phases if p.phase == phase)
+                assignment = transfer_assignment(self.ctx.graph(base, plan.micro_batches), graph, assignment)
+            try:
+                self._programs[key] = build_programs(graph, assignment, [t.name for t in self.targets], m)
+            except PlacementError as e:
+                raise StepTimingError(f"{phase} at {rows} rows (prompt {seq}, context {ctx}): the step plan's "
+                                      f"placement does not carry over to this bucket's graph: {e}") from None
         return self._programs[key]
 
     def kernel_times(self, phase: str, rows: int, seq: int | None, ctx: int | None) -> np.ndarray:
