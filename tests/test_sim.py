@@ -145,3 +145,25 @@ def test_a_plan_that_does_not_fit_is_not_simulated():
     assert not plan.feasible
     with pytest.raises(SimulationSetupError, match="not feasible"):
         simulate(ctx, plan)
+
+
+def test_a_plan_carries_over_to_a_bucket_with_more_kernels():
+    import torch
+
+    from tessera.capture.step import Step
+    from tessera.capture.trace import trace
+    from tessera.sim.steps import transfer_assignment
+
+    def graph(chunks: int):
+        def fn(inp, st, _c):
+            x = inp["x"] + 1  # add #0
+            for _ in range(chunks):  # a scan over chunks: mul #0, #1, ...
+                x = x * 2
+            return {"y": x - 1}  # sub #0
+
+        return trace(Step(model="unit", family="test", phase="unit", modules={}, fn=fn,
+                          inputs={"x": torch.ones(4)}, state={}))
+
+    planned, bigger = graph(2), graph(4)
+    assert [k.op for k in planned.kernels].count("aten.mul.Tensor") == 2
+    assert transfer_assignment(planned, bigger, [0, 1, 0, 1]) == [0, 1, 0, 0, 0, 1]
