@@ -10,7 +10,7 @@ from tessera.capture.trace import trace
 from tessera.hardware.cluster import Link
 from tessera.program.placements import synthetic_placement
 from tessera.program.program import build_programs
-from tessera.sim.programs import SimulationError, simulate_programs
+from tessera.sim.programs import MessageCosts, SimulationError, simulate_programs, simulate_stream
 
 
 def _chain():
@@ -40,6 +40,24 @@ def test_a_transfer_costs_its_wire_time_and_latency():
     assert result.makespan_s == pytest.approx(1.0 + 1.0 + 0.5 + 2.0)
     assert result.link_busy_s == {(0, 1): pytest.approx(1.0)}
     assert [e[1] for e in result.events if e[0] == 1] == ["recv", "run", "free", "run", "free"]
+
+
+def test_messages_cost_their_devices_posting_sending_and_unpacking_time():
+    g = _chain()
+    sp = build_programs(g, [0, 1, 1], ["a", "b"])
+    link = Link("pcie", bandwidth=1024.0, latency_s=0.5)
+    costs = MessageCosts(post_s=0.25, send_s=0.125, recv_s=0.0625)
+    # device 0: k0 (1 s), sends (0.125 s), 1 s on the wire + 0.5 s: there at 2.625; device 1 posts its receive
+    # (0.25 s), takes the message at 2.625 + 0.0625, runs k1 and k2
+    want = 1.0 + 0.125 + 1.0 + 0.5 + 0.0625 + 2.0
+    one = simulate_programs(sp, lambda d, k, m: 1.0, lambda s, d: link, messages=costs)
+    assert one.makespan_s == pytest.approx(want) and one.busy_s == [1.0, 2.0]
+    stream = simulate_stream(sp, lambda d, k, m: 1.0, lambda s, d: link, steps=1, messages=costs)
+    assert stream.first_step_s == pytest.approx(want)
+    # a device that only receives pays its postings before its first instruction, even with nothing to wait for
+    late = MessageCosts(post_s=10.0)
+    assert simulate_programs(sp, lambda d, k, m: 1.0, lambda s, d: link, messages=late).makespan_s == 12.0
+    assert simulate_stream(sp, lambda d, k, m: 1.0, lambda s, d: link, steps=1, messages=late).first_step_s == 12.0
 
 
 def test_micro_batches_pipeline_but_never_beat_the_busiest_device():

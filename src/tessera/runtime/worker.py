@@ -292,6 +292,36 @@ class Worker:
     def op_stop(self) -> dict[str, Any]:
         return {}
 
+    # probes (tessera.runtime.probe): what the simulator needs to know about this pool ---------------------
+    def op_probe_link(self, peer: int, sizes: list[int], repeats: int, lead: bool) -> dict[str, Any]:
+        """Ping-pong with rank ``peer`` of the current process group; the lead's median round trip per size."""
+        from tessera.runtime.probe import ping_pong
+
+        return {"round_trip_s": ping_pong(self.pg, peer, sizes, repeats, lead, self.timeout)}
+
+    def op_probe_messages(self, peer: int, count: int, nbytes: int) -> dict[str, Any]:
+        """A burst of ``count`` messages each way with rank ``peer``; this side's CPU seconds per message."""
+        from tessera.runtime.probe import message_burst
+
+        return message_burst(self.pg, peer, count, nbytes, self.timeout)
+
+    def op_echo(self, nbytes: int = 0, micro_batches: int = 0) -> dict[str, Any]:
+        """A reply carrying ``micro_batches`` outputs of ``nbytes`` each, returned as step outputs are."""
+        t = torch.zeros(nbytes // 4, dtype=torch.float32)
+        return {"outputs": [self.arena.put(m, {"echo": t}) if self.arena is not None else {"echo": t.clone()}
+                            for m in range(micro_batches)]}
+
+    def op_time_program(self, graph: KernelGraph, program: Program, weights_path: str | list[str],
+                        inputs: list[dict[str, torch.Tensor]], passes: int, warmup: int,
+                        min_seconds: float = 0.0) -> dict[str, Any]:
+        """Every kernel of one device ``program`` timed inside steps here (its weights loaded for the call)."""
+        from tessera.runtime.probe import load_graph_weights, time_program, zero_state
+
+        weights = load_graph_weights(graph, weights_path, program.weights)
+        state = [zero_state(graph, program.state) for _ in inputs]
+        return {"seconds": time_program(graph, program, weights, inputs, state, passes, warmup, min_seconds,
+                                        str(self.device))}
+
 
 _RUN, _FREE, _SEND, _RECV = range(4)
 _KINDS = ("run", "free", "send", "recv")

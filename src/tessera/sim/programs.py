@@ -7,6 +7,11 @@ occupies its directed link for ``bytes / bandwidth`` after the link's previous m
 time per direction) and arrives ``latency`` later; ``recv`` waits until its message has arrived;
 ``free`` takes no time. The step ends when every device has finished. This is the level the cluster
 simulator builds on, and what the runtime benchmark uses for a schedule's bound.
+
+Optionally (:class:`MessageCosts`), messages also cost their devices CPU time, as the runtime's workers spend
+it: every receive of a step (or streamed job) is posted before its first instruction, a send packs its bytes
+and hands them to the transport before the message leaves, and a receive unpacks its bytes once they have
+arrived (measured on local workers by :func:`tessera.runtime.probe.measure_messages`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,17 @@ LinkOf = Callable[[int, int], Link]  # (src device, dst device) -> the link carr
 
 class SimulationError(TesseraError):
     """Programs that cannot run to the end (a receive whose message is never sent)."""
+
+
+@dataclass(frozen=True)
+class MessageCosts:
+    """A device's own seconds per message (not the link's): posting one receive (all of a step's receives
+    are posted before its first instruction), sending one message (packing it and handing it over) and
+    taking one that has arrived (unpacking it)."""
+
+    post_s: float = 0.0
+    send_s: float = 0.0
+    recv_s: float = 0.0
 
 
 @dataclass
@@ -44,11 +60,13 @@ class ProgramTimeline:
 
 
 def simulate_programs(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | None = None,
-                      record: bool = False) -> ProgramTimeline:
+                      record: bool = False, messages: MessageCosts | None = None) -> ProgramTimeline:
     """Run ``sp``'s programs with ``kernel_time`` per (device, kernel, micro-batch) and ``link`` per device
-    pair (None: transfers are free and instant); ``record`` keeps every instruction's start and end."""
+    pair (None: transfers are free and instant); ``record`` keeps every instruction's start and end;
+    ``messages``: the devices' own time per message (None: none)."""
     n = len(sp.programs)
-    clock = [0.0] * n
+    msg = messages or MessageCosts()
+    clock = [msg.post_s * sum(i.kind == "recv" for i in prog.instructions) for prog in sp.programs]
     busy = [0.0] * n
     pos = [0] * n
     arrival: dict[int, float] = {}
@@ -68,6 +86,7 @@ def simulate_programs(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | 
                     busy[d] += t
                 elif ins.kind == "send":
                     tr = sp.transfers[ins.transfer]
+                    clock[d] += msg.send_s
                     if link is None:
                         arrival[ins.transfer] = clock[d]
                     else:
@@ -81,7 +100,7 @@ def simulate_programs(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | 
                 elif ins.kind == "recv":
                     if ins.transfer not in arrival:
                         break
-                    clock[d] = max(clock[d], arrival[ins.transfer])
+                    clock[d] = max(clock[d], arrival[ins.transfer]) + msg.recv_s
                 if record:
                     what = ins.kernel if ins.kind == "run" else ins.buffer if ins.kind == "free" else ins.transfer
                     events.append((d, ins.kind, what, ins.microbatch, start, clock[d]))
@@ -124,12 +143,13 @@ class StreamTimeline:
 
 
 def simulate_stream(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | None = None, steps: int = 4,
-                    feedback_s: float = 0.0) -> StreamTimeline:
+                    feedback_s: float = 0.0, messages: MessageCosts | None = None) -> StreamTimeline:
     """``steps`` steps of ``sp`` streamed as the runtime streams them: every device takes jobs (one
     micro-batch of one step: its instructions for that micro-batch, in order) first come first served;
     micro-batch m's step i+1 is queued on every device ``feedback_s`` after all devices finished its step i
-    (the driver's round trip). Sends, receives and links behave as in :func:`simulate_programs`; events are
-    processed in time order, so links serve messages in the order they are sent."""
+    (the driver's round trip). Sends, receives, links and ``messages`` behave as in
+    :func:`simulate_programs` (a job posts its own receives when it starts); events are processed in time
+    order, so links serve messages in the order they are sent."""
     import heapq
 
     n, count = len(sp.programs), sp.micro_batches
@@ -138,6 +158,8 @@ def simulate_stream(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | No
     jobs_of = [[[ins for ins in prog.instructions if ins.microbatch == m] for m in range(count)]
                for prog in sp.programs]
     members = {m: [d for d in range(n) if jobs_of[d][m]] for m in range(count)}
+    msg = messages or MessageCosts()
+    posts = [[msg.post_s * sum(ins.kind == "recv" for ins in job) for job in jobs] for jobs in jobs_of]
     queue: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n)]  # per device: (ready, order, m, step)
     events: list[tuple[float, int, int, int]] = []  # (time, order, device, token)
     token = [0] * n  # a device's newest event; older ones are stale
@@ -188,6 +210,10 @@ def simulate_stream(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | No
                 continue
             _, _, m, i = heapq.heappop(queue[d])
             current[d] = [m, i, 0]
+            if posts[d][m]:  # the job's receives are posted before its first instruction
+                clock[d] += posts[d][m]
+                schedule(d, clock[d])
+                continue
         m, i, p = current[d]
         job = jobs_of[d][m]
         if p == len(job):
@@ -211,6 +237,7 @@ def simulate_stream(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | No
         elif ins.kind == "send":
             tr = sp.transfers[ins.transfer]
             key = (i, ins.transfer)
+            clock[d] += msg.send_s
             if link is None:
                 arrival[key] = clock[d]
             else:
@@ -225,7 +252,7 @@ def simulate_stream(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | No
                 r = blocked.pop(key)
                 schedule(r, max(clock[r], arrival[key]))
         elif ins.kind == "recv":
-            clock[d] = max(clock[d], arrival[(i, ins.transfer)])
+            clock[d] = max(clock[d], arrival[(i, ins.transfer)]) + msg.recv_s
         current[d][2] = p + 1
         schedule(d, clock[d])
     if len(done) != count * steps:

@@ -1,0 +1,466 @@
+"""Measuring what the simulator needs to know about a pool of workers: the link between two workers, the
+driver's round trip, and kernel times as a step really runs them (alone, and with another worker computing).
+
+These are the inputs of :mod:`tessera.sim.programs` for a local CPU cluster, measured on the real pool with
+the runtime's own code paths, so a simulated step can be compared with a measured one
+(``benchmarks/bench_sim_fidelity.py``):
+
+- :func:`measure_link`: ping-pong between two workers over their gloo process group, receives posted first
+  and messages packed and unpacked as step transfers are; one-way seconds per size, as
+  ``latency + bytes / bandwidth`` (a :class:`~tessera.hardware.cluster.Link`).
+- :func:`measure_messages`: a worker's own CPU time per message (posting a receive, sending, taking an
+  arrived message), which the runtime spends outside kernels and the link
+  (:class:`tessera.sim.programs.MessageCosts`).
+- :func:`measure_round_trip`: a command to workers and their replies carrying step-sized outputs through the
+  same channel as step outputs (pipe + shared-memory arena), plus the driver's concatenation of
+  micro-batch outputs: the fixed cost ``DistributedRunner.step`` adds to a step, and the ``feedback_s`` of
+  :func:`tessera.sim.programs.simulate_stream` (a job's outputs back, the next job queued).
+- :func:`measure_program_times`: every kernel of a step's device programs timed as the runtime's executor
+  runs it inside the step (program order, ``Executor.run_kernel`` with its argument binding, activations
+  freed, messages skipped): in a step a weight is read once per micro-batch, after the rest of the segment
+  went through the caches, so these times differ from a profile's (:mod:`tessera.cost.profiler`), which
+  repeats each kernel on warm caches. Each device's program runs alone on a worker, then all at once: the
+  difference is what workers sharing the host's cores, caches and memory cost each other.
+  :func:`measure_kernel_times` does the same for a whole graph on one device.
+
+:class:`PoolModel` runs the simulator with these inputs.
+
+Nothing here is cached: each figure is a few seconds of measurement and depends on the machine's load.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tessera.errors import TesseraError
+from tessera.graph.ir import KernelGraph
+from tessera.hardware.cluster import Link
+
+LINK_SIZES = (64, 4096, 65536, 1 << 20, 4 << 20)  # bytes per message in the link probe
+PROBE_TAG = 1 << 24  # message tags of the probes (step transfers use small tags)
+
+
+class ProbeError(TesseraError):
+    """A probe that cannot run as asked (too few workers, a bad size)."""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the link between two workers
+
+
+@dataclass
+class LinkProbe:
+    """One-way seconds per message size between two workers, and the fitted link."""
+
+    sizes: list[int]
+    one_way_s: list[float]  # median over the round trips, halved
+    link: Link
+
+    def describe(self) -> str:
+        lk = self.link
+        each = ", ".join(f"{_size(n)} {t * 1e6:.0f} us" for n, t in zip(self.sizes, self.one_way_s, strict=True))
+        return f"{lk.latency_s * 1e6:.0f} us per message + {lk.bandwidth / 1e9:.2f} GB/s ({each})"
+
+
+def ping_pong(pg, peer: int, sizes: list[int], repeats: int, lead: bool, timeout) -> list[float]:
+    """Worker side of :func:`measure_link`: for each size one untimed and ``repeats`` timed round trips with
+    rank ``peer`` of ``pg`` (the lead sends first). As in a step, every receive is posted before its message
+    is sent and waited for with the transfer timeout, and messages are packed from a buffer and unpacked
+    into one (:func:`tessera.runtime.worker.pack` / ``unpack``). Returns the lead's median round trip per
+    size (the other side returns zeros)."""
+    from tessera.program.program import Piece
+    from tessera.runtime.worker import pack, unpack
+
+    out = []
+    src = {"x": torch.zeros(max(sizes), dtype=torch.uint8).untyped_storage()}
+    dst = {"x": torch.zeros(max(sizes), dtype=torch.uint8).untyped_storage()}
+    cpu = torch.device("cpu")
+    for i, n in enumerate(sizes):
+        pieces = (Piece("x", ((0, n),)),)
+        tag = PROBE_TAG + i * (repeats + 2)
+
+        def post(r: int, n: int = n, tag: int = tag):
+            flat = torch.empty(n, dtype=torch.uint8)
+            return pg.recv([flat], peer, tag + r), flat
+
+        times = []
+        pending = None if lead else post(0)  # the other side's receive of round 0 is posted up front
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            if lead:
+                pending = post(r)  # the reply's receive, before the request goes out
+                pg.send([pack(src, pieces)], peer, tag + r).wait(timeout)
+                work, flat = pending
+                work.wait(timeout)
+                unpack(dst, pieces, flat, cpu)
+            else:
+                work, flat = pending
+                work.wait(timeout)
+                unpack(dst, pieces, flat, cpu)
+                if r < repeats:
+                    pending = post(r + 1)  # the next request's receive, before this reply goes out
+                pg.send([pack(src, pieces)], peer, tag + r).wait(timeout)
+            if r:
+                times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times) if lead else 0.0)
+    return out
+
+
+@dataclass
+class MessageProbe:
+    """CPU seconds a worker spends per message, outside the wire: posting a receive (a step posts all of its
+    receives before its first instruction), sending (packing the bytes and handing them to gloo) and taking a
+    message that has arrived (the wait returns, the bytes are unpacked)."""
+
+    nbytes: int
+    post_s: float
+    send_s: float
+    recv_s: float
+
+    def describe(self) -> str:
+        return (f"{_size(self.nbytes)} messages: post a receive {self.post_s * 1e6:.0f} us, send "
+                f"{self.send_s * 1e6:.0f} us, take an arrived message {self.recv_s * 1e6:.0f} us")
+
+
+def message_burst(pg, peer: int, count: int, nbytes: int, timeout) -> dict[str, float]:
+    """Worker side of :func:`measure_messages` (both workers run it at once, as in a step messages flow both
+    ways): post ``count`` receives (timed), tell the peer and wait for its word, send ``count`` messages back
+    to back (timed, each packed as step transfers are) and one more; once the peer's last message is here,
+    the others have arrived: take them all (timed). Seconds per message of each part."""
+    from tessera.program.program import Piece
+    from tessera.runtime.worker import pack, unpack
+
+    storages = {"x": torch.zeros(nbytes, dtype=torch.uint8).untyped_storage()}
+    pieces = (Piece("x", ((0, nbytes),)),)
+    cpu = torch.device("cpu")
+    tag = PROBE_TAG + (1 << 20)
+    t0 = time.perf_counter()
+    posted = [(pg.recv([flat], peer, tag + i), flat)
+              for i, flat in enumerate(torch.empty(nbytes, dtype=torch.uint8) for _ in range(count))]
+    post_s = (time.perf_counter() - t0) / count
+    last = pg.recv([torch.empty(1, dtype=torch.uint8)], peer, tag + count)
+    ready = pg.recv([torch.empty(1, dtype=torch.uint8)], peer, tag + count + 1)
+    pg.send([torch.zeros(1, dtype=torch.uint8)], peer, tag + count + 1).wait(timeout)
+    ready.wait(timeout)  # the peer has posted its receives too
+    t0 = time.perf_counter()
+    works = [pg.send([pack(storages, pieces)], peer, tag + i) for i in range(count)]
+    send_s = (time.perf_counter() - t0) / count
+    works.append(pg.send([torch.zeros(1, dtype=torch.uint8)], peer, tag + count))
+    for w in works:
+        w.wait(timeout)
+    last.wait(timeout)
+    t0 = time.perf_counter()
+    for work, flat in posted:
+        work.wait(timeout)
+        unpack(storages, pieces, flat, cpu)
+    return {"post_s": post_s, "send_s": send_s, "recv_s": (time.perf_counter() - t0) / count}
+
+
+def measure_messages(pool, a: int = 0, b: int = 1, count: int = 200, nbytes: int = 4096,
+                     rounds: int = 5) -> MessageProbe:
+    """Per-message CPU costs between pool workers ``a`` and ``b``: ``rounds`` bursts of ``count`` messages of
+    ``nbytes`` each way at once (:func:`message_burst`); medians over both workers and the rounds (after
+    one untimed round). Forms a new process group."""
+    if a == b:
+        raise ProbeError("the message probe needs two different workers")
+    members = connect(pool)
+    ra, rb = members.index(a), members.index(b)
+    got: dict[str, list[float]] = {"post_s": [], "send_s": [], "recv_s": []}
+    for r in range(rounds + 1):
+        replies = pool.call({a: {"op": "probe_messages", "peer": rb, "count": count, "nbytes": nbytes},
+                             b: {"op": "probe_messages", "peer": ra, "count": count, "nbytes": nbytes}}, 120.0)
+        for reply in replies.values():
+            for k in got:
+                if r:
+                    got[k].append(reply[k])
+    return MessageProbe(nbytes, *(statistics.median(got[k]) for k in ("post_s", "send_s", "recv_s")))
+
+
+def connect(pool) -> list[int]:
+    """A fresh process group of the pool's live workers (ranks in worker order, as ``DistributedRunner``
+    forms them); returns the members. A runner made afterwards forms its own group again."""
+    members = list(pool.alive)
+    pool.epoch += 1
+    pool.call({w: {"op": "connect", "epoch": pool.epoch, "members": members} for w in members}, 60.0)
+    return members
+
+
+def measure_link(pool, a: int = 0, b: int = 1, sizes: tuple[int, ...] = LINK_SIZES,
+                 repeats: int = 20) -> LinkProbe:
+    """The link between pool workers ``a`` and ``b``: ping-pong over gloo at each size; one-way = half the
+    median round trip; bandwidth from the smallest and largest sizes' times, latency = the smallest
+    message's one-way time less its bytes at that bandwidth (step transfers of a decode step are small, so
+    their time is mostly this latency). Forms a new process group (:func:`connect`)."""
+    if a == b:
+        raise ProbeError("the link probe needs two different workers")
+    if min(sizes) < 1:
+        raise ProbeError(f"message sizes must be at least one byte, got {min(sizes)}")
+    members = connect(pool)
+    ra, rb = members.index(a), members.index(b)
+    replies = pool.call({a: {"op": "probe_link", "peer": rb, "sizes": list(sizes), "repeats": repeats, "lead": True},
+                         b: {"op": "probe_link", "peer": ra, "sizes": list(sizes), "repeats": repeats, "lead": False}},
+                        120.0)
+    one_way = [t / 2 for t in replies[a]["round_trip_s"]]
+    # bandwidth from the largest and smallest messages; latency: the smallest message's time less its bytes
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    lo, hi = order[0], order[-1]
+    per_byte = (one_way[hi] - one_way[lo]) / (sizes[hi] - sizes[lo]) if sizes[hi] > sizes[lo] else 0.0
+    per_byte = max(per_byte, 1e-12)
+    latency = max(one_way[lo] - sizes[lo] * per_byte, 0.0)
+    return LinkProbe(list(sizes), one_way, Link("loopback", 1.0 / per_byte, latency))
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} kB" if n >= 1 << 10 else f"{n} B"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the driver's round trip
+
+
+def measure_round_trip(pool, workers: list[int], output_bytes: int = 0, micro_batches: int = 1,
+                       holder: int | None = None, repeats: int = 20) -> float:
+    """Median seconds of one command to each of ``workers`` and their replies, where ``holder`` (default: the
+    last of them) returns ``micro_batches`` outputs of ``output_bytes`` each as step outputs come back
+    (through its shared-memory arena for local workers) and the driver concatenates them as
+    ``DistributedRunner.step`` does. The cost of a step outside the workers' programs, or (one micro-batch,
+    one worker) the time from a streamed job's end to the next job's start."""
+    if not workers:
+        raise ProbeError("the round-trip probe needs at least one worker")
+    holder = workers[-1] if holder is None else holder
+    times = []
+    for r in range(repeats + 2):
+        t0 = time.perf_counter()
+        replies = pool.call({w: {"op": "echo", "nbytes": output_bytes if w == holder else 0,
+                                 "micro_batches": micro_batches if w == holder else 0} for w in workers}, 60.0)
+        outs = replies[holder]["outputs"]
+        if len(outs) > 1:
+            torch.cat([o["echo"] for o in outs])
+        if r >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# kernel times inside a step
+
+
+def time_program(graph: KernelGraph, program, weights: Mapping[str, torch.Tensor],
+                 inputs: list[Mapping[str, torch.Tensor]], state: list[Mapping[str, torch.Tensor]], passes: int,
+                 warmup: int = 1, min_seconds: float = 0.0,
+                 device: str = "cpu") -> dict[tuple[int, int], list[float]]:
+    """Seconds of every (kernel, micro-batch) of one device ``program`` of ``graph`` in each timed pass, run as
+    a worker runs it (``Executor.run_kernel`` timed around the call as the worker times compute, micro-batch
+    instances selected, activations freed), its messages skipped (a received buffer holds zeros). ``warmup``
+    untimed passes, then timed ones until there are ``passes`` and ``min_seconds`` have gone by (to keep this
+    worker busy while another runs a longer program). ``state`` (one mapping per micro-batch) is updated in
+    place, as steps would."""
+    from tessera.runtime.executor import Executor
+
+    ex = Executor(graph, program, weights, torch.device(device))
+    out: dict[tuple[int, int], list[float]] = {}
+    clock = time.perf_counter
+    began = None
+    done = 0
+    with torch.no_grad():
+        while done < warmup + passes or clock() - began < min_seconds:
+            if done == warmup:
+                began = clock()
+            ex.prepare_microbatches(list(inputs), list(state), program.inputs, program.state)
+            current = 0
+            for ins in program.instructions:
+                if ins.microbatch != current:
+                    ex.select(ins.microbatch)
+                    current = ins.microbatch
+                if ins.kind == "run":
+                    t0 = clock()
+                    ex.run_kernel(ins.kernel)
+                    if done >= warmup:
+                        out.setdefault((ins.kernel, ins.microbatch), []).append(clock() - t0)
+                elif ins.kind == "free":
+                    ex.free(ins.buffer)
+            ex.release()
+            done += 1
+    return out
+
+
+@dataclass
+class ProgramTimes:
+    """Per-device seconds of each (kernel, micro-batch) of one step's programs (median over passes): each
+    device's program alone on a worker, and all of them at once, each on its own worker."""
+
+    alone: list[dict[tuple[int, int], float]]
+    together: list[dict[tuple[int, int], float]]
+
+    @staticmethod
+    def mean(runs: list[ProgramTimes]) -> ProgramTimes:
+        """The mean of several measurements of the same programs (e.g. before and after a run, which this
+        host's drifting speed makes worth bracketing)."""
+        def avg(which: str) -> list[dict[tuple[int, int], float]]:
+            per = [getattr(r, which) for r in runs]
+            return [{key: statistics.fmean(p[d][key] for p in per) for key in per[0][d]} for d in range(len(per[0]))]
+
+        return ProgramTimes(avg("alone"), avg("together"))
+
+
+def measure_program_times(pool, sp, graph: KernelGraph, weights_path: str | list[str],
+                          inputs: list[Mapping[str, torch.Tensor]], workers: list[int] | None = None,
+                          passes: int = 5, warmup: int = 2, together: bool = True) -> ProgramTimes:
+    """The kernel times of ``sp`` (the programs of one step of ``graph``; ``inputs``: each micro-batch's step
+    inputs) inside steps as they run (:func:`time_program`): device d's program on pool worker
+    ``workers[d]`` (default: the pool's live workers in order), each alone, then (``together``) all devices
+    with work at the same time, each for as long as the longest takes ``passes`` times (zero state; each
+    worker loads its program's weights from ``weights_path``)."""
+    workers = list(pool.alive) if workers is None else list(workers)
+    used = [d for d, p in enumerate(sp.programs) if any(i.kind == "run" for i in p.instructions)]
+    if len(workers) < len(sp.programs):
+        raise ProbeError(f"{len(sp.programs)} device programs but {len(workers)} workers")
+
+    def cmd(d: int, min_s: float) -> dict[str, Any]:
+        return {"op": "time_program", "graph": graph, "program": sp.programs[d], "weights_path": weights_path,
+                "inputs": [{n: mb[n] for n in sp.programs[d].inputs} for mb in inputs], "passes": passes,
+                "warmup": warmup, "min_seconds": min_s}
+
+    def medians(reply) -> dict[tuple[int, int], float]:
+        return {key: statistics.median(v) for key, v in reply["seconds"].items()}
+
+    alone = [{} for _ in sp.programs]
+    for d in used:
+        alone[d] = medians(pool.call({workers[d]: cmd(d, 0.0)}, 600.0)[workers[d]])
+    both = [dict(t) for t in alone]
+    if together and len(used) > 1:
+        longest = max(sum(alone[d].values()) for d in used) * passes
+        replies = pool.call({workers[d]: cmd(d, longest) for d in used}, 600.0)
+        both = [medians(replies[workers[d]]) if d in used else {} for d in range(len(sp.programs))]
+    return ProgramTimes(alone, both)
+
+
+def measure_kernel_times(pool, workers: list[int], graph: KernelGraph, weights_path: str | list[str],
+                         inputs: Mapping[str, torch.Tensor], passes: int = 5, warmup: int = 2) -> list[list[float]]:
+    """Every kernel of ``graph`` on one device (its single-device program), timed inside steps
+    (:func:`time_program`) on each of ``workers`` at the same time: one worker: alone on the host; several:
+    while the others run the same step. Returns per worker the seconds of each kernel (median over passes)."""
+    from tessera.program.program import single_device_program
+
+    program = single_device_program(graph)
+    cmd = {"op": "time_program", "graph": graph, "program": program, "weights_path": weights_path,
+           "inputs": [dict(inputs)], "passes": passes, "warmup": warmup, "min_seconds": 0.0}
+    replies = pool.call(dict.fromkeys(workers, cmd), 600.0)
+    out = []
+    for w in workers:
+        times = [0.0] * len(graph.kernels)
+        for (k, _), v in replies[w]["seconds"].items():
+            times[k] = statistics.median(v)
+        out.append(times)
+    return out
+
+
+def zero_state(graph: KernelGraph, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Zeroed state buffers of ``graph`` (all, or ``names``): what a worker starts with."""
+    from tessera.graph.codec import dtype_from_name
+
+    return {name: torch.zeros(graph.buffers[name].shape, dtype=dtype_from_name(graph.buffers[name].dtype))
+            for name in (graph.state if names is None else names)}
+
+
+def load_graph_weights(graph: KernelGraph, weights_path: str | list[str],
+                       names: list[str] | None = None) -> dict[str, Any]:
+    """The weights ``names`` (default: every weight of ``graph``) from safetensors files, aliases included."""
+    from tessera.weights import load_weights
+
+    names = [n for n, b in graph.buffers.items() if b.kind == "weight"] if names is None else names
+    wanted = set(names) | {a for n in names for a in graph.buffers[n].aliases}
+    out: dict[str, Any] = {}
+    for path in [weights_path] if isinstance(weights_path, str) else weights_path:
+        out.update(load_weights(path, sorted(wanted - set(out))))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# simulating a step of this pool with the measured inputs
+
+
+@dataclass
+class PoolModel:
+    """What the simulator is told about a pool of local workers running one step's programs: each device's
+    kernel times inside steps alone and with the others computing (:func:`measure_program_times`), the
+    link and the per-message costs between two workers. A kernel's time is its alone time plus the share of
+    it during which another worker computes times the measured slowdown (``together - alone``); as that
+    share depends on the schedule, the simulation is repeated with the shares of the previous run
+    (``iterations``)."""
+
+    times: ProgramTimes
+    link: Link
+    messages: Any = None  # tessera.sim.programs.MessageCosts
+    iterations: int = 4
+
+    def _time(self, d: int, k: int, m: int, share: float) -> float:
+        a = self.times.alone[d][(k, m)]
+        return a + share * (self.times.together[d][(k, m)] - a)
+
+    def step(self, sp, overhead_s: float = 0.0):
+        """One step of ``sp`` (``simulate_programs``): (seconds including ``overhead_s``, the timeline). Each
+        kernel instance's share is the fraction of its simulated time the other devices spent in kernels."""
+        from tessera.sim.programs import simulate_programs
+
+        share: dict[tuple[int, int, int], float] = {}
+        timeline = None
+        for _ in range(max(1, self.iterations)):
+            timeline = simulate_programs(sp, lambda d, k, m, s=share: self._time(d, k, m, s.get((d, k, m), 0.0)),
+                                         lambda a, b: self.link, record=True, messages=self.messages)
+            share = _overlap_shares(timeline.events, len(sp.programs))
+        return timeline.makespan_s + overhead_s, timeline
+
+    def stream(self, sp, steps: int, feedback_s: float):
+        """``steps`` streamed steps of ``sp`` (``simulate_stream``): (seconds per step in steady state, the
+        timeline). A device's share is the other devices' kernel time over the run's length (capped at 1)."""
+        from tessera.sim.programs import simulate_stream
+
+        share = [0.0] * len(sp.programs)
+        timeline = None
+        for _ in range(max(1, self.iterations)):
+            timeline = simulate_stream(sp, lambda d, k, m, s=share: self._time(d, k, m, s[d]),
+                                       lambda a, b: self.link, steps, feedback_s, messages=self.messages)
+            span = timeline.makespan_s or 1.0
+            total = sum(timeline.busy_s)
+            share = [min(1.0, (total - b) / span) for b in timeline.busy_s]
+        return timeline.period_s, timeline
+
+
+def _overlap_shares(events, devices: int) -> dict[tuple[int, int, int], float]:
+    """(device, kernel, micro-batch) -> the fraction of that run the other devices spent in kernels."""
+    import bisect
+
+    runs: list[list[tuple[float, float]]] = [[] for _ in range(devices)]
+    for d, kind, _what, _m, start, end in events:
+        if kind == "run" and end > start:
+            runs[d].append((start, end))
+    starts = [[s for s, _ in r] for r in runs]
+    done = []  # per device: kernel seconds finished before each run starts (prefix sums)
+    for r in runs:
+        acc, sums = 0.0, [0.0]
+        for s, e in r:
+            acc += e - s
+            sums.append(acc)
+        done.append(sums)
+
+    def busy_until(d: int, t: float) -> float:
+        i = bisect.bisect_right(starts[d], t)  # runs starting at or before t
+        if i == 0:
+            return 0.0
+        s, e = runs[d][i - 1]
+        return done[d][i - 1] + min(t, e) - s
+
+    out = {}
+    for d, kind, what, m, start, end in events:
+        if kind != "run" or end <= start:
+            continue
+        other = sum(busy_until(o, end) - busy_until(o, start) for o in range(devices) if o != d)
+        out[(d, what, m)] = min(1.0, other / (end - start))
+    return out
