@@ -60,3 +60,15 @@ def load_weights(path: str | Path, names: list[str] | None = None,
                 continue
             out[name] = f.get_tensor(key)
     return out
+
+
+def load_graph_weights(graph, weights_path: str | Path | list, names: list[str] | None = None
+                       ) -> dict[str, torch.Tensor]:
+    """The weights ``names`` (default: every weight buffer of the KernelGraph ``graph``) from one or more
+    safetensors files, each under its own name and its aliases' (tied weights)."""
+    names = [n for n, b in graph.buffers.items() if b.kind == "weight"] if names is None else names
+    wanted = set(names) | {a for n in names for a in graph.buffers[n].aliases}
+    out: dict[str, torch.Tensor] = {}
+    for path in [weights_path] if isinstance(weights_path, str | Path) else weights_path:
+        out.update(load_weights(path, sorted(wanted - set(out))))
+    return out

@@ -369,19 +369,6 @@ def zero_state(graph: KernelGraph, names: list[str] | None = None) -> dict[str, 
             for name in (graph.state if names is None else names)}
 
 
-def load_graph_weights(graph: KernelGraph, weights_path: str | list[str],
-                       names: list[str] | None = None) -> dict[str, Any]:
-    """The weights ``names`` (default: every weight of ``graph``) from safetensors files, aliases included."""
-    from tessera.weights import load_weights
-
-    names = [n for n, b in graph.buffers.items() if b.kind == "weight"] if names is None else names
-    wanted = set(names) | {a for n in names for a in graph.buffers[n].aliases}
-    out: dict[str, Any] = {}
-    for path in [weights_path] if isinstance(weights_path, str) else weights_path:
-        out.update(load_weights(path, sorted(wanted - set(out))))
-    return out
-
-
 # ------------------------------------------------------------------------------------------------------------
 # simulating a step of this pool with the measured inputs
 

@@ -315,7 +315,8 @@ class Worker:
                         inputs: list[dict[str, torch.Tensor]], passes: int, warmup: int,
                         min_seconds: float = 0.0) -> dict[str, Any]:
         """Every kernel of one device ``program`` timed inside steps here (its weights loaded for the call)."""
-        from tessera.runtime.probe import load_graph_weights, time_program, zero_state
+        from tessera.runtime.probe import time_program, zero_state
+        from tessera.weights import load_graph_weights
 
         weights = load_graph_weights(graph, weights_path, program.weights)
         state = [zero_state(graph, program.state) for _ in inputs]

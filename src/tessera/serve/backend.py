@@ -104,19 +104,17 @@ class LocalBackend:
 
     def __init__(self, graphs: dict[str, KernelGraph], weight_files: list[str]):
         from tessera.runtime.generate import ReplayRunner
-        from tessera.weights import load_weights
+        from tessera.weights import load_graph_weights
 
-        wanted = {n for g in graphs.values() for n, b in g.buffers.items() if b.kind == "weight"}
-        wanted |= {a for g in graphs.values() for n in wanted if n in g.buffers for a in g.buffers[n].aliases}
         weights: dict[str, torch.Tensor] = {}
-        for path in weight_files:
-            weights.update(load_weights(path, sorted(wanted - set(weights))))
-
-        state = {}
         for g in graphs.values():
-            for name in g.state:
-                b = g.buffers[name]
-                state.setdefault(name, torch.zeros(b.shape, dtype=_dtype(b.dtype)))
+            names = [n for n, b in g.buffers.items() if b.kind == "weight" and n not in weights]
+            weights.update(load_graph_weights(g, weight_files, names))
+        from tessera.runtime.probe import zero_state
+
+        state: dict[str, torch.Tensor] = {}
+        for g in graphs.values():
+            state.update(zero_state(g, [n for n in g.state if n not in state]))
         self.runner = ReplayRunner(graphs, weights, state)
         self._busy = 0.0
 
@@ -156,8 +154,3 @@ class WorkerBackend:
     def close(self) -> None:
         self.runner.pool.close()
 
-
-def _dtype(name: str) -> torch.dtype:
-    from tessera.graph.codec import dtype_from_name
-
-    return dtype_from_name(name)
