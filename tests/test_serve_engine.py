@@ -31,7 +31,9 @@ def test_monitor_switches_on_the_latency_ratio_with_a_cool_down():
     assert switch.ratio == pytest.approx((0.9 + 0.2) / 2 / 0.15)
     calm = [_request(1.5, 0.45, finish=2.0)]  # latency 0.5, execution 0.45
     assert m.close_window(1.8, [], [], calm) is None and m.objective == "throughput"  # cooling down
-    back = m.close_window(2.3, [], [], calm)
+    banded = [_request(1.5, 0.5, finish=2.15)]  # latency 0.65, execution 0.5: 1.3, between 1.2 and 1.5
+    assert m.close_window(2.3, [], [], banded) is None and m.objective == "throughput"  # hysteresis
+    back = m.close_window(2.6, [], [], calm)
     assert back is not None and back.after == "latency" and len(m.switches) == 2
     with pytest.raises(ValueError, match="must be positive"):
         Monitor(beta=0)

@@ -4,9 +4,9 @@ On a timer (a window, 300 ms by default) it looks at every request the engine kn
 flight, and finished during the window. For each it takes the latency so far (now, or its finish,
 minus its arrival) and its execution time (the summed durations of the steps it took part in). When
 the mean latency over the mean execution time reaches ``beta`` (1.5 by default), requests wait more
-than they run: the engine switches to the throughput-objective plans; below ``beta`` it switches back
-to the latency-objective plans. A switch needs ``cooldown_s`` since the previous one, so the choice does
-not flap. The engine applies a switch between steps, so no step is cut in half.
+than they run: the engine switches to the throughput-objective plans; below ``beta x hysteresis``
+(1.5 x 0.8 = 1.2 by default) it switches back to the latency-objective plans. The band between the two
+thresholds and a cool-down (``cooldown_s`` since the previous switch) keep the choice from flapping. The engine applies a switch between steps, so no step is cut in half.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class Monitor:
     beta: float = 1.5
     window_s: float = 0.3
     cooldown_s: float = 1.0
+    hysteresis: float = 0.8  # back to the latency plans only below beta x hysteresis
     objective: str = "latency"
     enabled: bool = True
     switches: list[Switch] = field(default_factory=list)
@@ -46,9 +47,9 @@ class Monitor:
     _last_switch: float = float("-inf")
 
     def __post_init__(self) -> None:
-        if self.beta <= 0 or self.window_s <= 0 or self.cooldown_s < 0:
+        if self.beta <= 0 or self.window_s <= 0 or self.cooldown_s < 0 or not 0 < self.hysteresis <= 1:
             raise MonitorError(f"monitor settings must be positive: beta {self.beta}, window {self.window_s} s, "
-                             f"cool-down {self.cooldown_s} s")
+                               f"cool-down {self.cooldown_s} s, hysteresis {self.hysteresis} (in (0, 1])")
 
     def due(self, now: float) -> bool:
         """Whether the current window is over."""
@@ -70,7 +71,12 @@ class Monitor:
             return None
         ratio = latency / execution
         self.last_ratio = ratio
-        want = "throughput" if ratio >= self.beta else "latency"
+        if ratio >= self.beta:
+            want = "throughput"
+        elif ratio < self.beta * self.hysteresis:
+            want = "latency"
+        else:  # inside the band: keep the current plans
+            want = self.objective
         if not self.enabled or want == self.objective or now - self._last_switch < self.cooldown_s:
             return None
         switch = Switch(now, self.objective, want, ratio)

@@ -1,0 +1,125 @@
+"""`tessera bench` against `tessera serve` on the local CPU cluster at several request rates, with the
+cluster simulator's prediction for the same deployment and the same requests beside each measurement.
+
+    .venv/bin/python benchmarks/bench_serve.py [--rates 0.25,0.5,1] [--requests 16] [--policy layer-pipeline]
+
+The server runs smollm2-135m (real weights) on cpu:2 (one thread per worker) under the policy's plan,
+planned with this host's measured kernel times; the latency objective's plans are the same policy's, the
+monitor may switch between them. Requests: Poisson arrivals, lengths drawn from a small shipped-style
+distribution (prompts of 8-48 tokens, 8-24 output tokens; prompts are repeated words, so the server's
+greedy outputs may stop early at EOS: the figures count the tokens really generated). The simulator
+serves the same draws (same seed) with the same scheduler and buckets, timing each step by running the
+deployment's device programs with this host's profiled kernel times, the measured worker link and the
+driver's round trip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+MODEL = "smollm2-135m"
+LENGTHS = [[8, 8], [16, 16], [24, 12], [32, 24], [48, 16], [12, 20], [40, 8], [20, 24]]
+
+
+def _start_server(engine, port_holder: list) -> object:
+    import socket
+
+    import uvicorn
+
+    from tessera.serve.api import create_app
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port_holder.append(sock.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return server
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="0.25,0.5,1", help="request rates (requests/s), comma-separated")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--policy", default="layer-pipeline")
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    import torch
+
+    from tessera.plan.planner import plan_policy
+    from tessera.runtime.pool import WorkerPool
+    from tessera.runtime.probe import measure_link, measure_round_trip
+    from tessera.runtime.session import host_profile, runtime_context, runtime_graphs
+    from tessera.serve.bench import run_bench
+    from tessera.serve.deployment import PLAN_PROMPT, ServeConfig, start_engine
+    from tessera.sim.requests import simulate
+
+    torch.set_num_threads(1)
+    max_context = 128
+    say = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    # the simulator's inputs for this host: the worker link and the driver's round trip, measured on a pool of
+    # its own, and the policy's plan on cpu:2 with this host's profiled kernel times
+    probe = WorkerPool.local(2, 1)
+    try:
+        link = measure_link(probe).link
+        feedback_s = measure_round_trip(probe, probe.alive, output_bytes=4 * 49152 * args.slots // 2)
+    finally:
+        probe.close()
+    say(f"measured link: {link.latency_s * 1e6:.0f} us + bytes / {link.bandwidth / 1e9:.2f} GB/s; driver round "
+        f"trip {feedback_s * 1e3:.2f} ms")
+    base = runtime_graphs(MODEL, PLAN_PROMPT, max_context, args.slots)
+    profile = host_profile(MODEL, base, 1, say)
+    pctx = runtime_context(MODEL, 2, PLAN_PROMPT, 64, max_context, args.slots, 1, profile, say)
+    plan = plan_policy(pctx, args.policy, "throughput")
+
+    cfg = ServeConfig(MODEL, "cpu:2", slots=args.slots, max_context=max_context, policy=args.policy, threads=1)
+    engine, how = start_engine(cfg, say)
+    say(f"serving {MODEL} on cpu:2: {how}")
+    ports: list[int] = []
+    server = _start_server(engine, ports)
+    url = f"http://127.0.0.1:{ports[0]}"
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        lengths = Path(tmp) / "lengths.json"
+        lengths.write_text(json.dumps(LENGTHS))
+        for rate in [float(r) for r in args.rates.split(",")]:
+            wl = f"poisson:rate={rate},lengths={lengths},requests={args.requests}"
+            say(f"bench {wl}")
+            report = run_bench(url, wl, MODEL, seed=args.seed)
+            measured = report.summary()
+            # the same arrivals with the lengths the server really saw (greedy outputs may end early at EOS)
+            draws = [(o.planned.arrival_s, o.prompt_tokens or o.planned.input, max(1, o.output_tokens))
+                     for o in report.outcomes if o.ok]
+            predicted = simulate(pctx, plan, max_context=max_context, feedback_s=feedback_s, link=link,
+                                 min_prompt=cfg.min_prompt_bucket, draws=draws).summary()
+            rows.append((rate, measured, predicted))
+    server.should_exit = True
+    engine.stop()
+
+    def f(v, scale=1.0, digits=2):
+        return "-" if v is None else f"{v * scale:.{digits}f}"
+
+    print(f"{MODEL} on cpu:2 ({args.policy}, {args.slots} slots, 1 thread per worker), {args.requests} requests "
+          f"per rate, seed {args.seed}; measured by tessera bench | predicted by tessera simulate")
+    print("| rate (req/s) | tokens/s | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) | completed |")
+    print("|---|---|---|---|---|---|---|")
+    for rate, m, p in rows:
+        print(f"| {rate:g} | {f(m['throughput'])} \\| {f(p['throughput'])} | {f(m['ttft_p50_s'])} \\| "
+              f"{f(p['ttft_p50_s'])} | {f(m['ttft_p99_s'])} \\| {f(p['ttft_p99_s'])} | "
+              f"{f(m['tpot_p50_s'], 1e3, 0)} \\| {f(p['tpot_p50_s'], 1e3, 0)} | "
+              f"{f(m['tpot_p99_s'], 1e3, 0)} \\| {f(p['tpot_p99_s'], 1e3, 0)} | "
+              f"{m['completed']} \\| {p['completed']} |")
+
+
+if __name__ == "__main__":
+    main()
