@@ -59,6 +59,19 @@ class ProgramTimeline:
         return max(self.busy_s, default=0.0)
 
 
+def _send(tr, now: float, link: LinkOf | None, link_free: dict, link_busy: dict) -> float:
+    """Put a message on its directed link at ``now`` (after the link's previous message); its arrival time."""
+    if link is None:
+        return now
+    lk = link(tr.src, tr.dst)
+    pair = (tr.src, tr.dst)
+    begin = max(now, link_free.get(pair, 0.0))
+    wire = tr.nbytes / lk.bandwidth
+    link_free[pair] = begin + wire
+    link_busy[pair] = link_busy.get(pair, 0.0) + wire
+    return begin + wire + lk.latency_s
+
+
 def simulate_programs(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | None = None,
                       record: bool = False, messages: MessageCosts | None = None) -> ProgramTimeline:
     """Run ``sp``'s programs with ``kernel_time`` per (device, kernel, micro-batch) and ``link`` per device
@@ -85,18 +98,8 @@ def simulate_programs(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | 
                     clock[d] += t
                     busy[d] += t
                 elif ins.kind == "send":
-                    tr = sp.transfers[ins.transfer]
                     clock[d] += msg.send_s
-                    if link is None:
-                        arrival[ins.transfer] = clock[d]
-                    else:
-                        lk = link(tr.src, tr.dst)
-                        key = (tr.src, tr.dst)
-                        begin = max(clock[d], link_free.get(key, 0.0))
-                        wire = tr.nbytes / lk.bandwidth
-                        link_free[key] = begin + wire
-                        link_busy[key] = link_busy.get(key, 0.0) + wire
-                        arrival[ins.transfer] = begin + wire + lk.latency_s
+                    arrival[ins.transfer] = _send(sp.transfers[ins.transfer], clock[d], link, link_free, link_busy)
                 elif ins.kind == "recv":
                     if ins.transfer not in arrival:
                         break
@@ -235,19 +238,9 @@ def simulate_stream(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | No
             clock[d] += t
             busy[d] += t
         elif ins.kind == "send":
-            tr = sp.transfers[ins.transfer]
             key = (i, ins.transfer)
             clock[d] += msg.send_s
-            if link is None:
-                arrival[key] = clock[d]
-            else:
-                lk = link(tr.src, tr.dst)
-                pair = (tr.src, tr.dst)
-                begin = max(clock[d], link_free.get(pair, 0.0))
-                wire = tr.nbytes / lk.bandwidth
-                link_free[pair] = begin + wire
-                link_busy[pair] = link_busy.get(pair, 0.0) + wire
-                arrival[key] = begin + wire + lk.latency_s
+            arrival[key] = _send(sp.transfers[ins.transfer], clock[d], link, link_free, link_busy)
             if key in blocked:
                 r = blocked.pop(key)
                 schedule(r, max(clock[r], arrival[key]))
