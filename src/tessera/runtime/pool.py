@@ -13,6 +13,7 @@ from datetime import timedelta
 from multiprocessing import connection as mp_connection
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -237,8 +238,10 @@ class WorkerPool:
             shm = shared_memory.SharedMemory(name=arena)
             self._arenas[arena] = shm
         dt = dtype_from_name(dtype)
-        raw = torch.frombuffer(shm.buf, dtype=torch.uint8, count=math.prod(shape) * dt.itemsize, offset=offset)
-        return raw.clone().view(dt).view(shape)
+        n = math.prod(shape) * dt.itemsize
+        # a plain memcpy: a torch copy of this size would wake the driver's idle OpenMP threads (ms per copy)
+        raw = np.frombuffer(shm.buf, dtype=np.uint8, count=n, offset=offset).copy()
+        return torch.from_numpy(raw).view(dt).view(shape)
 
     def drain(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) for the live workers' unanswered replies and drop them: after a lost
