@@ -163,19 +163,25 @@ def _offline_md(result: SuiteResult) -> list[str]:
              "flight. Throughput is outputs over the makespan: tokens/s (images/s for diffusion models); each "
              "cell is the simulated figure, the planner's estimate in brackets.", "",
              "![Offline throughput relative to the expensive GPU alone](offline_throughput.png)", ""]
-    for pair in cfg.pairs:
+    return lines + _pair_tables(result, lambda r: f"{_num(r.simulated)} ({_num(r.planned)})", with_unit=True)
+
+
+def _pair_tables(result: SuiteResult, cell, with_unit: bool) -> list[str]:
+    """One table per GPU pair of the offline cases: a row per model, a column per policy, ``cell(r)`` in each
+    (or the policy's status: n/a, no fit, failed)."""
+    lines: list[str] = []
+    for pair in result.config.pairs:
         cases = [c for c in result.offline if c.cluster == pair]
         if not cases:
             continue
         cols = [title for title, _ in _columns(cases[0])]
-        lines += [f"### {pair.replace('+', ' + ')}", "", "| model | unit | " + " | ".join(cols) + " |",
-                  "|---" * (len(cols) + 2) + "|"]
+        first = ["model", "unit"] if with_unit else ["model"]
+        lines += [f"### {pair.replace('+', ' + ')}", "", "| " + " | ".join(first + cols) + " |",
+                  "|---" * (len(cols) + len(first)) + "|"]
         for c in cases:
-            cells = []
-            for _, r in _columns(c):
-                s = _status(r)
-                cells.append(s if s else f"{_num(r.simulated)} ({_num(r.planned)})")
-            lines.append(f"| {c.model} | {c.unit} | " + " | ".join(cells) + " |")
+            cells = [_status(r) or cell(r) for _, r in _columns(c)]
+            lead = [c.model, c.unit] if with_unit else [c.model]
+            lines.append("| " + " | ".join(lead + cells) + " |")
         lines.append("")
     return lines
 
@@ -188,21 +194,8 @@ def _per_cost_md(result: SuiteResult) -> list[str]:
              "pair's expensive GPU serving alone: above 1 the policy gives more throughput per unit of "
              "money than the expensive GPU alone.", "",
              "![Throughput per cost relative to the expensive GPU alone](per_cost.png)", ""]
-    for pair in cfg.pairs:
-        cases = [c for c in result.offline if c.cluster == pair]
-        if not cases:
-            continue
-        cols = [title for title, _ in _columns(cases[0])]
-        lines += [f"### {pair.replace('+', ' + ')}", "", "| model | " + " | ".join(cols) + " |",
-                  "|---" * (len(cols) + 1) + "|"]
-        for c in cases:
-            cells = []
-            for _, r in _columns(c):
-                s = _status(r)
-                cells.append(s if s else ("-" if r.per_cost_vs_expensive is None else f"{r.per_cost_vs_expensive:.2f}"))
-            lines.append(f"| {c.model} | " + " | ".join(cells) + " |")
-        lines.append("")
-    return lines
+    return lines + _pair_tables(result, lambda r: "-" if r.per_cost_vs_expensive is None
+                                else f"{r.per_cost_vs_expensive:.2f}", with_unit=False)
 
 
 def _online_md(result: SuiteResult) -> list[str]:
