@@ -10,6 +10,7 @@ kernels as the graph its step plan was solved for, so the plan's placement appli
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -119,8 +120,6 @@ class LocalBackend:
         self._busy = 0.0
 
     def run(self, phase: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        import time
-
         t0 = time.perf_counter()
         out = self.runner(phase.split(":")[0], inputs)
         self._busy += time.perf_counter() - t0

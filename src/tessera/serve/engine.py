@@ -265,12 +265,11 @@ class Engine:
         if not gen.tokens:
             self.stats.ttft_s.append(now - gen.sched.arrival_s)
         self.stats.tokens += 1
+        gen.tokens.append(token)
         if token == self.eos:
-            gen.tokens.append(token)
             self._flush(gen, final=True)
             return "stop"
-        gen.tokens.append(token)
-        gen.text = self.tokenizer.decode([t for t in gen.tokens if t != self.eos])
+        gen.text = self.tokenizer.decode(gen.tokens)  # no EOS in it: the request ends at its EOS
         for stop in gen.params.stop:
             at = gen.text.find(stop)
             if at >= 0:
