@@ -19,8 +19,14 @@ Its inputs are probes of the pool (:mod:`tessera.runtime.probe`), never timings 
   the executor runs them in a step, alone and with the other device's program running at the same time
   (before and after the case's runtime steps, averaged); the printed breakdown shows how in-step kernel times
   differ from the host profile's (each kernel repeated on warm caches), which the planner uses;
+- wake costs: the same programs alone with a sleep of 0.2 ms and of 2 ms at each receive: a worker that
+  waited for a message resumes slower, and the extra kernel time per receive is charged to the first kernel
+  after each simulated wait (interpolated by the wait's length);
 - the link: gloo ping-pong between the two workers (latency per message, bandwidth);
-- per-message CPU time: posting a receive, sending, taking an arrived message (bursts both ways);
+- per-message CPU time: posting a receive and taking an arrived message (bursts both ways); a send call as
+  real steps pay it (``measure_sends``: traced steps of a calibration placement that is none of the measured
+  cases), while every other worker waits for a message and while another works (then gloo's I/O thread,
+  which the sender waits for, has to wait for one of the host's cores too);
 - the driver's round trip: a command to the workers and replies carrying the step's outputs (``step``), or
   one micro-batch's outputs (``stream``'s feedback).
 
@@ -43,6 +49,9 @@ import torch
 MODEL = "smollm2-135m"
 PROMPT, CTX = 16, 128
 GOAL = 0.15
+WAKE_PAUSES_S = (2e-4, 2e-3)  # the wake probe sleeps this long at each receive (a message's flight; longer)
+CALIBRATION_BATCH = 2  # the send probe's case: a random placement at this batch, M = 2 (no measured case)
+CALIBRATION = f"random placement, B = {CALIBRATION_BATCH}, M = 2"
 # (label, how, M): a planner policy, a synthetic placement or one worker
 CASES = (("one worker", "one", 1), ("layer-pipeline", "layer-pipeline", 1), ("layer-pipeline", "layer-pipeline", 2),
          ("attention-ffn", "attention-ffn", 2), ("alternate", "alternate", 2))
@@ -202,9 +211,11 @@ def main() -> None:
     with WorkerPool.local(2, threads=1) as pool:
         link = measure_link(pool)
         msgs = measure_messages(pool)
-        costs = MessageCosts(msgs.post_s, msgs.send_s, msgs.recv_s)
+        sends = calibrate_sends(pool, files, steps=2 if args.quick else 3)
+        costs = MessageCosts(msgs.post_s, sends.idle_s, msgs.recv_s, send_busy_s=sends.busy_s)
         print(f"link cpu:0 -> cpu:1 (gloo ping-pong, one way): {link.describe()}")
-        print(f"per-message CPU time: {msgs.describe()}")
+        print(f"per-message CPU time (bursts): {msgs.describe()}")
+        print(f"send calls in steps of the calibration placement ({CALIBRATION}): {sends.describe()}")
         shown: set[str] = set()
         for batch in batches:
             for label, how, m in cases:
@@ -235,9 +246,11 @@ def main() -> None:
                 # after the runtime's steps (this host's speed drifts by several percent within a minute) ...
                 step_in = decode_inputs(batch, m, PROMPT)
                 mb_in = [{k: v[mb * rows:(mb + 1) * rows] for k, v in step_in.items()} for mb in range(m)]
-                before = measure_program_times(pool, sp, g, files, mb_in, workers=runner.members)
+                before = measure_program_times(pool, sp, g, files, mb_in, workers=runner.members,
+                                               wake_pauses_s=WAKE_PAUSES_S)
                 meas = measure(runner, batch, m, warmup, steps)
-                after = measure_program_times(pool, sp, g, files, mb_in, workers=runner.members)
+                after = measure_program_times(pool, sp, g, files, mb_in, workers=runner.members,
+                                               wake_pauses_s=WAKE_PAUSES_S)
                 times = ProgramTimes.mean([before, after])
                 # ... and the driver's round trips (a step: every used worker, M outputs from their holder; a
                 # streamed job: one micro-batch's outputs)
@@ -268,6 +281,24 @@ def main() -> None:
     if load > (os.cpu_count() or 1) + 0.5:
         print("WARNING: other processes used this host's cores during the run (the benchmark itself keeps a load "
               "of about 2): the measured times include their work; rerun on a quiet host")
+
+
+def calibrate_sends(pool, files, steps: int):
+    """Send costs measured in real steps of a calibration case that is none of the measured ones (a random
+    placement of the decode graph at another batch size), after two untimed steps."""
+    from tessera.runtime.distributed import DistributedRunner
+    from tessera.runtime.probe import measure_sends
+    from tessera.runtime.session import runtime_graphs, synthetic
+
+    batch, m = CALIBRATION_BATCH, 2
+    graphs = runtime_graphs(MODEL, PROMPT, CTX, batch=batch, micro_batches=m)
+    runner = DistributedRunner(pool, graphs, synthetic(graphs, 2, "random", seed=0).placements,
+                               {"prefill": 1, "decode": m}, weights_path=files, state_instances=m)
+    ids = torch.randint(0, 1000, (batch, PROMPT), generator=torch.Generator().manual_seed(1))
+    runner.step("prefill", {"input_ids": ids, "slots": local_slots(batch, m)})
+    for i in range(2):
+        runner.step("decode", decode_inputs(batch, m, PROMPT + i))
+    return measure_sends(runner, "decode", [decode_inputs(batch, m, PROMPT + 2 + i) for i in range(steps)])
 
 
 def stream_period(timeline, warmup: int, total: int) -> float:

@@ -20,8 +20,9 @@ from tessera.runtime.probe import (
     measure_messages,
     measure_program_times,
     measure_round_trip,
+    measure_sends,
 )
-from tessera.runtime.session import runtime_graphs, weight_files
+from tessera.runtime.session import runtime_graphs, synthetic, weight_files
 from tessera.sim.programs import MessageCosts
 
 MODEL = "smollm2-135m"
@@ -44,6 +45,20 @@ def layer_split(graph) -> list[int]:
     for k, u in enumerate(units):
         first.setdefault(u, out[k])
     return [first[u] for u in units]
+
+
+def _send_costs(pool, graphs, files):
+    """Send calls in real steps of a random placement of the same graphs (messages both ways, many of them)."""
+    runner = DistributedRunner(pool, graphs, synthetic(graphs, 2, "random", seed=0).placements,
+                               {"prefill": 1, "decode": M}, weights_path=files, state_instances=M)
+    sp = runner.programs["decode"]
+    runner.step("prefill", {"input_ids": torch.randint(0, 1000, (BATCH, PROMPT), generator=torch.Generator()
+                                                       .manual_seed(1)), "slots": torch.zeros(BATCH, dtype=torch.long)})
+    runner.step("decode", _decode(PROMPT))
+    sends = measure_sends(runner, "decode", [_decode(PROMPT + 1), _decode(PROMPT + 2)])
+    assert sends.idle_count + sends.busy_count == 2 * len(sp.transfers)  # every send of both steps, classed once
+    assert 0 < sends.idle_s < 0.05 and 0 < sends.busy_s < 0.05
+    return sends
 
 
 def _decode(position: int, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
@@ -103,15 +118,17 @@ def _compare(pool) -> None:
     assert 0 < link.link.latency_s < 0.05 and link.link.bandwidth > 1e7
     assert 0 < msgs.send_s < 0.01 and 0 < msgs.post_s < 0.01 and 0 < msgs.recv_s < 0.01
     times = measure_program_times(pool, sp, g, files, [_decode(PROMPT, slice(m, m + 1)) for m in range(M)],
-                                  workers=runner.members, passes=3)
+                                  workers=runner.members, passes=3, wake_pauses_s=(2e-4, 2e-3))
     assert sorted(k for t in times.alone for k in t) == sorted((k, m) for k in range(len(g.kernels)) for m in range(M))
     assert all(t > 0 for d in times.alone for t in d.values())
+    assert all(0 <= a <= b for a, b in times.wake)  # per receiving device, never less for the longer pause
+    sends = _send_costs(pool, graphs, files)
     holder = next(d for d, p in enumerate(sp.programs) if p.outputs)
     logits = g.buffers[g.outputs["logits"][0]].nbytes  # one micro-batch's
     rt_step = measure_round_trip(pool, [0, 1], logits, M, holder=holder)
     rt_job = measure_round_trip(pool, [holder], logits, 1)
     assert 0 < rt_job < 0.05
-    model = PoolModel(times, link.link, MessageCosts(msgs.post_s, msgs.send_s, msgs.recv_s))
+    model = PoolModel(times, link.link, MessageCosts(msgs.post_s, sends.idle_s, msgs.recv_s, sends.busy_s))
     sim_step, timeline = model.step(sp, rt_step)
     _, stream = model.stream(sp, total, rt_job)
     sim_period = (max(stream.done_s[(m, total - 1)] for m in range(M)) -

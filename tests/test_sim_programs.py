@@ -60,6 +60,25 @@ def test_messages_cost_their_devices_posting_sending_and_unpacking_time():
     assert simulate_stream(sp, lambda d, k, m: 1.0, lambda s, d: link, steps=1, messages=late).first_step_s == 12.0
 
 
+def test_a_send_costs_more_while_another_device_works():
+    g = _chain()
+    sp = build_programs(g, [0, 1, 1], ["a", "b"], 2)
+    costs = MessageCosts(send_s=0.125, send_busy_s=0.5)
+    # device 0 sends micro-batch 0 at 1.0 while device 1 waits for it (0.125 s), micro-batch 1 at 2.125 while
+    # device 1 runs micro-batch 0's k2 (0.5 s)
+    result = simulate_programs(sp, lambda d, k, m: 1.0, messages=costs, record=True)
+    sends = [(start, end) for d, kind, _, _, start, end in result.events if kind == "send"]
+    assert sends == [(1.0, 1.125), (2.125, 2.625)]
+    assert result.makespan_s == 5.125
+    plain = simulate_programs(sp, lambda d, k, m: 1.0, messages=MessageCosts(send_s=0.125), record=True)
+    assert [end - start for d, kind, _, _, start, end in plain.events if kind == "send"] == [0.125, 0.125]
+    # streamed: the same decisions, and how long each receive waited (device 1: 1.125 s for micro-batch 0)
+    stream = simulate_stream(sp, lambda d, k, m: 1.0, steps=1, messages=costs)
+    assert stream.first_step_s == 5.125 and stream.waits_s == [[], [1.125, 0.0]]
+    slower = simulate_stream(sp, lambda d, k, m: 1.0, steps=1, messages=MessageCosts(send_s=0.125, send_busy_s=2.0))
+    assert slower.first_step_s == 2.125 + 2.0 + 2.0  # micro-batch 1 arrives at 4.125, after device 1 is done with 0
+
+
 def test_micro_batches_pipeline_but_never_beat_the_busiest_device():
     g = _chain()
     for m in (1, 2, 4, 8):

@@ -55,6 +55,9 @@ class StepTiming:
     compute_s: list[float]
     timelines: list[list[tuple]] = field(default_factory=list)
     workers: list[str] = field(default_factory=list)  # the device of each entry (workers with work this step)
+    # each worker's clock (time.perf_counter) when it began the step, to which its timeline is relative; the
+    # clocks of workers on one host agree, so their timelines can be laid side by side
+    started_s: list[float] = field(default_factory=list)
 
 
 class DistributedRunner:
@@ -246,7 +249,7 @@ class DistributedRunner:
         self.last_timing = StepTiming(phase, seconds, [replies[w]["seconds"] for w in order],
                                       [replies[w]["compute_s"] for w in order],
                                       [replies[w]["timeline"] for w in order] if trace else [],
-                                      [self.pool.devices[w] for w in order])
+                                      [self.pool.devices[w] for w in order], [replies[w]["t0"] for w in order])
         return outs
 
     def _graph(self, phase: str) -> KernelGraph:

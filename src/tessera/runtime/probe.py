@@ -11,6 +11,9 @@ the runtime's own code paths, so a simulated step can be compared with a measure
 - :func:`measure_messages`: a worker's own CPU time per message (posting a receive, sending, taking an
   arrived message), which the runtime spends outside kernels and the link
   (:class:`tessera.sim.programs.MessageCosts`).
+- :func:`measure_sends`: what a send call costs inside real steps of a message-heavy calibration placement,
+  with every other worker waiting and with another one working (on a host with as many cores as workers, the
+  second is several times the first: gloo's I/O thread then waits for a core).
 - :func:`measure_round_trip`: a command to workers and their replies carrying step-sized outputs through the
   same channel as step outputs (pipe + shared-memory arena), plus the driver's concatenation of
   micro-batch outputs: the fixed cost ``DistributedRunner.step`` adds to a step, and the ``feedback_s`` of
@@ -33,7 +36,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -182,6 +185,64 @@ def measure_messages(pool, a: int = 0, b: int = 1, count: int = 200, nbytes: int
     return MessageProbe(nbytes, *(statistics.median(got[k]) for k in ("post_s", "send_s", "recv_s")))
 
 
+@dataclass
+class SendProbe:
+    """Seconds per send call inside real steps, by what the other workers were doing when it began: all of
+    them waiting for a message or done (``idle_s``), or one of them working (``busy_s``: in a kernel, a send,
+    posting receives). Where workers share a host's cores the second costs more: gloo's I/O thread, which
+    the sender waits for, then has to wait for a core itself."""
+
+    idle_s: float
+    busy_s: float
+    idle_count: int
+    busy_count: int
+
+    def describe(self) -> str:
+        return (f"a send while the other workers wait {self.idle_s * 1e6:.0f} us ({self.idle_count} sends), "
+                f"while another works {self.busy_s * 1e6:.0f} us ({self.busy_count} sends)")
+
+
+def classify_sends(timelines: list[list[tuple]], started_s: list[float]) -> tuple[list[float], list[float]]:
+    """The durations of the send calls in one traced step (``StepTiming.timelines`` / ``started_s`` of
+    workers on one host): (those while every other worker waited for a message or was done, the others)."""
+    import bisect
+
+    waits, ends = [], []
+    for events, t0 in zip(timelines, started_s, strict=True):
+        waits.append(sorted((t0 + s, t0 + e) for kind, _, _, s, e in events if kind == "recv"))
+        ends.append(t0 + max((e for *_, e in events), default=0.0))
+
+    def working(o: int, t: float) -> bool:
+        i = bisect.bisect_right(waits[o], (t, float("inf")))
+        return t < ends[o] and not (i and waits[o][i - 1][1] > t)
+
+    idle, busy = [], []
+    for w, (events, t0) in enumerate(zip(timelines, started_s, strict=True)):
+        for kind, _, _, s, e in events:
+            if kind == "send":
+                crowded = any(working(o, t0 + s) for o in range(len(timelines)) if o != w)
+                (busy if crowded else idle).append(e - s)
+    return idle, busy
+
+
+def measure_sends(runner, phase: str, inputs: list[dict[str, torch.Tensor]]) -> SendProbe:
+    """Send costs as the runtime pays them: one traced step of ``runner``'s ``phase`` per entry of ``inputs``,
+    every send call classed by :func:`classify_sends`; means over all steps. The runner's workers must share
+    this host (their clocks are compared) and its placement must send messages both ways."""
+    idle: list[float] = []
+    busy: list[float] = []
+    for step_inputs in inputs:
+        runner.step(phase, step_inputs, trace=True)
+        timing = runner.last_timing
+        a, b = classify_sends(timing.timelines, timing.started_s)
+        idle += a
+        busy += b
+    if not idle or not busy:
+        raise ProbeError(f"the send probe saw {len(idle)} sends while the other workers waited and {len(busy)} "
+                         "while one worked; it needs both: use a placement with messages both ways (e.g. random)")
+    return SendProbe(statistics.fmean(idle), statistics.fmean(busy), len(idle), len(busy))
+
+
 def connect(pool) -> list[int]:
     """A fresh process group of the pool's live workers (ranks in worker order, as ``DistributedRunner``
     forms them); returns the members. A runner made afterwards forms its own group again."""
@@ -254,7 +315,7 @@ def measure_round_trip(pool, workers: list[int], output_bytes: int = 0, micro_ba
 def time_program(graph: KernelGraph, program, weights: Mapping[str, torch.Tensor],
                  inputs: list[Mapping[str, torch.Tensor]], state: list[Mapping[str, torch.Tensor]], passes: int,
                  warmup: int = 1, min_seconds: float = 0.0,
-                 device: str = "cpu") -> dict[tuple[int, int], list[float]]:
+                 device: str = "cpu", pause_s: float = 0.0) -> dict[tuple[int, int], list[float]]:
     """Seconds of every (kernel, micro-batch) of one device ``program`` of ``graph`` in each timed pass, run as
     a worker runs it (``Executor.run_kernel`` timed around the call as the worker times compute, micro-batch
     instances selected, activations freed), its messages skipped (a received buffer holds zeros). ``warmup``
@@ -285,6 +346,8 @@ def time_program(graph: KernelGraph, program, weights: Mapping[str, torch.Tensor
                         out.setdefault((ins.kernel, ins.microbatch), []).append(clock() - t0)
                 elif ins.kind == "free":
                     ex.free(ins.buffer)
+                elif ins.kind == "recv" and pause_s:
+                    time.sleep(pause_s)
             ex.release()
             done += 1
     return out
@@ -293,10 +356,26 @@ def time_program(graph: KernelGraph, program, weights: Mapping[str, torch.Tensor
 @dataclass
 class ProgramTimes:
     """Per-device seconds of each (kernel, micro-batch) of one step's programs (median over passes): each
-    device's program alone on a worker, and all of them at once, each on its own worker."""
+    device's program alone on a worker, and all of them at once, each on its own worker. ``wake``: per
+    device, the extra kernel seconds after one wait for a message of each of ``wake_pauses_s`` (a worker
+    that slept resumes slower: on this kind of host its core was taken or clocked down meanwhile); other
+    waits are interpolated (from nothing for no wait; no more than the longest pause's cost beyond it)."""
 
     alone: list[dict[tuple[int, int], float]]
     together: list[dict[tuple[int, int], float]]
+    wake: list[list[float]] = field(default_factory=list)
+    wake_pauses_s: tuple[float, ...] = ()
+
+    def wake_cost(self, d: int, wait_s: float) -> float:
+        """Device ``d``'s extra kernel seconds after waiting ``wait_s`` for a message."""
+        if not self.wake or wait_s <= 0:
+            return 0.0
+        lo_p, lo_c = 0.0, 0.0
+        for p, c in zip(self.wake_pauses_s, self.wake[d], strict=True):
+            if wait_s <= p:
+                return lo_c + (c - lo_c) * (wait_s - lo_p) / (p - lo_p)
+            lo_p, lo_c = p, c
+        return lo_c
 
     @staticmethod
     def mean(runs: list[ProgramTimes]) -> ProgramTimes:
@@ -306,26 +385,35 @@ class ProgramTimes:
             per = [getattr(r, which) for r in runs]
             return [{key: statistics.fmean(p[d][key] for p in per) for key in per[0][d]} for d in range(len(per[0]))]
 
-        return ProgramTimes(avg("alone"), avg("together"))
+        wakes = [r.wake for r in runs if r.wake]
+        wake = [[statistics.fmean(w[d][i] for w in wakes) for i in range(len(wakes[0][d]))]
+                for d in range(len(wakes[0]))] if wakes else []
+        return ProgramTimes(avg("alone"), avg("together"), wake, runs[0].wake_pauses_s)
 
 
 def measure_program_times(pool, sp, graph: KernelGraph, weights_path: str | list[str],
                           inputs: list[Mapping[str, torch.Tensor]], workers: list[int] | None = None,
-                          passes: int = 5, warmup: int = 2, together: bool = True) -> ProgramTimes:
+                          passes: int = 5, warmup: int = 2, together: bool = True,
+                          wake_pauses_s: tuple[float, ...] = ()) -> ProgramTimes:
     """The kernel times of ``sp`` (the programs of one step of ``graph``; ``inputs``: each micro-batch's step
     inputs) inside steps as they run (:func:`time_program`): device d's program on pool worker
     ``workers[d]`` (default: the pool's live workers in order), each alone, then (``together``) all devices
     with work at the same time, each for as long as the longest takes ``passes`` times (zero state; each
-    worker loads its program's weights from ``weights_path``)."""
+    worker loads its program's weights from ``weights_path``). ``wake_pauses_s`` (increasing): also run each
+    program that receives messages alone with a sleep of each of these at each receive (fewer passes), for
+    :attr:`ProgramTimes.wake`: the extra kernel time per receive (never less for a longer pause)."""
+    if list(wake_pauses_s) != sorted(set(wake_pauses_s)) or any(p <= 0 for p in wake_pauses_s):
+        raise ProbeError(f"wake pauses must be positive and increasing seconds, got {tuple(wake_pauses_s)}")
     workers = list(pool.alive) if workers is None else list(workers)
     used = [d for d, p in enumerate(sp.programs) if any(i.kind == "run" for i in p.instructions)]
     if len(workers) < len(sp.programs):
         raise ProbeError(f"{len(sp.programs)} device programs but {len(workers)} workers")
 
-    def cmd(d: int, min_s: float) -> dict[str, Any]:
+    def cmd(d: int, min_s: float, pause_s: float = 0.0) -> dict[str, Any]:
         return {"op": "time_program", "graph": graph, "program": sp.programs[d], "weights_path": weights_path,
-                "inputs": [{n: mb[n] for n in sp.programs[d].inputs} for mb in inputs], "passes": passes,
-                "warmup": warmup, "min_seconds": min_s}
+                "inputs": [{n: mb[n] for n in sp.programs[d].inputs} for mb in inputs],
+                "passes": max(2, passes // 2) if pause_s else passes, "warmup": 1 if pause_s else warmup,
+                "min_seconds": min_s, "pause_s": pause_s}
 
     def medians(reply) -> dict[tuple[int, int], float]:
         return {key: statistics.median(v) for key, v in reply["seconds"].items()}
@@ -338,7 +426,15 @@ def measure_program_times(pool, sp, graph: KernelGraph, weights_path: str | list
         longest = max(sum(alone[d].values()) for d in used) * passes
         replies = pool.call({workers[d]: cmd(d, longest) for d in used}, 600.0)
         both = [medians(replies[workers[d]]) if d in used else {} for d in range(len(sp.programs))]
-    return ProgramTimes(alone, both)
+    wake = [[0.0] * len(wake_pauses_s) for _ in sp.programs]
+    for d in used:
+        receives = sum(i.kind == "recv" for i in sp.programs[d].instructions)
+        cost = 0.0
+        for i, pause in enumerate(wake_pauses_s if receives else ()):
+            slept = medians(pool.call({workers[d]: cmd(d, 0.0, pause)}, 600.0)[workers[d]])
+            cost = max(cost, (sum(slept.values()) - sum(alone[d].values())) / receives)
+            wake[d][i] = cost
+    return ProgramTimes(alone, both, wake if wake_pauses_s else [], tuple(wake_pauses_s))
 
 
 def measure_kernel_times(pool, workers: list[int], graph: KernelGraph, weights_path: str | list[str],
@@ -378,9 +474,10 @@ class PoolModel:
     """What the simulator is told about a pool of local workers running one step's programs: each device's
     kernel times inside steps alone and with the others computing (:func:`measure_program_times`), the
     link and the per-message costs between two workers. A kernel's time is its alone time plus the share of
-    it during which another worker computes times the measured slowdown (``together - alone``); as that
-    share depends on the schedule, the simulation is repeated with the shares of the previous run
-    (``iterations``)."""
+    it during which another worker computes times the measured slowdown (``together - alone``), plus, for
+    the first kernel after a receive, the device's wake cost for that receive's wait
+    (:meth:`ProgramTimes.wake_cost`); as shares and waits depend on the schedule, the simulation is
+    repeated with those of the previous run (``iterations``)."""
 
     times: ProgramTimes
     link: Link
@@ -397,27 +494,60 @@ class PoolModel:
         from tessera.sim.programs import simulate_programs
 
         share: dict[tuple[int, int, int], float] = {}
+        wake: dict[tuple[int, int, int], float] = {}
         timeline = None
+        recv_s = self.messages.recv_s if self.messages is not None else 0.0
         for _ in range(max(1, self.iterations)):
-            timeline = simulate_programs(sp, lambda d, k, m, s=share: self._time(d, k, m, s.get((d, k, m), 0.0)),
-                                         lambda a, b: self.link, record=True, messages=self.messages)
+            timeline = simulate_programs(
+                sp, lambda d, k, m, s=share, w=wake: self._time(d, k, m, s.get((d, k, m), 0.0)) + w.get((d, k, m), 0.0),
+                lambda a, b: self.link, record=True, messages=self.messages)
             share = _overlap_shares(timeline.events, len(sp.programs))
+            wake = self._wakes(timeline.events, recv_s)
         return timeline.makespan_s + overhead_s, timeline
+
+    def _wakes(self, events, recv_s: float) -> dict[tuple[int, int, int], float]:
+        """(device, kernel, micro-batch) -> the wake cost of the receive just before that kernel."""
+        out: dict[tuple[int, int, int], float] = {}
+        pending: dict[int, float] = {}
+        for d, kind, what, m, start, end in events:
+            if kind == "recv":
+                pending[d] = pending.get(d, 0.0) + self.times.wake_cost(d, end - start - recv_s)
+            elif kind == "run" and d in pending:
+                out[(d, what, m)] = pending.pop(d)
+        return out
 
     def stream(self, sp, steps: int, feedback_s: float):
         """``steps`` streamed steps of ``sp`` (``simulate_stream``): (seconds per step in steady state, the
-        timeline). A device's share is the other devices' kernel time over the run's length (capped at 1)."""
+        timeline). A device's share is the other devices' kernel time over the run's length (capped at 1);
+        its wake costs (those of all its receives' waits) are spread over the kernels that follow a receive."""
         from tessera.sim.programs import simulate_stream
 
         share = [0.0] * len(sp.programs)
+        after = [_after_receives(p.instructions) for p in sp.programs]
+        extra = [0.0] * len(sp.programs)
         timeline = None
         for _ in range(max(1, self.iterations)):
-            timeline = simulate_stream(sp, lambda d, k, m, s=share: self._time(d, k, m, s[d]),
-                                       lambda a, b: self.link, steps, feedback_s, messages=self.messages)
+            timeline = simulate_stream(
+                sp, lambda d, k, m, s=share, x=extra: self._time(d, k, m, s[d]) + (x[d] if (k, m) in after[d] else 0.0),
+                lambda a, b: self.link, steps, feedback_s, messages=self.messages)
             span = timeline.makespan_s or 1.0
             total = sum(timeline.busy_s)
             share = [min(1.0, (total - b) / span) for b in timeline.busy_s]
+            extra = [sum(self.times.wake_cost(d, w) for w in waits) / (steps * len(after[d])) if after[d] else 0.0
+                     for d, waits in enumerate(timeline.waits_s)]
         return timeline.period_s, timeline
+
+
+def _after_receives(instructions) -> set[tuple[int, int]]:
+    """The (kernel, micro-batch) run first after each receive of a device program."""
+    out, waiting = set(), set()
+    for ins in instructions:
+        if ins.kind == "recv":
+            waiting.add(ins.microbatch)
+        elif ins.kind == "run" and ins.microbatch in waiting:
+            waiting.discard(ins.microbatch)
+            out.add((ins.kernel, ins.microbatch))
+    return out
 
 
 def _overlap_shares(events, devices: int) -> dict[tuple[int, int, int], float]:

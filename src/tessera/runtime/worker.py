@@ -313,7 +313,7 @@ class Worker:
 
     def op_time_program(self, graph: KernelGraph, program: Program, weights_path: str | list[str],
                         inputs: list[dict[str, torch.Tensor]], passes: int, warmup: int,
-                        min_seconds: float = 0.0) -> dict[str, Any]:
+                        min_seconds: float = 0.0, pause_s: float = 0.0) -> dict[str, Any]:
         """Every kernel of one device ``program`` timed inside steps here (its weights loaded for the call)."""
         from tessera.runtime.probe import time_program, zero_state
         from tessera.weights import load_graph_weights
@@ -321,7 +321,7 @@ class Worker:
         weights = load_graph_weights(graph, weights_path, program.weights)
         state = [zero_state(graph, program.state) for _ in inputs]
         return {"seconds": time_program(graph, program, weights, inputs, state, passes, warmup, min_seconds,
-                                        str(self.device))}
+                                        str(self.device), pause_s)}
 
 
 _RUN, _FREE, _SEND, _RECV = range(4)

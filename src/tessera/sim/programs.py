@@ -10,8 +10,10 @@ simulator builds on, and what the runtime benchmark uses for a schedule's bound.
 
 Optionally (:class:`MessageCosts`), messages also cost their devices CPU time, as the runtime's workers spend
 it: every receive of a step (or streamed job) is posted before its first instruction, a send packs its bytes
-and hands them to the transport before the message leaves, and a receive unpacks its bytes once they have
-arrived (measured on local workers by :func:`tessera.runtime.probe.measure_messages`).
+and hands them to the transport before the message leaves (longer while another device is working: on a
+host whose cores the workers share, the transport's thread then waits for a core), and a receive unpacks
+its bytes once they have arrived (measured on local workers by :func:`tessera.runtime.probe.measure_messages`
+and :func:`tessera.runtime.probe.measure_sends`).
 """
 
 from __future__ import annotations
@@ -35,11 +37,14 @@ class SimulationError(TesseraError):
 class MessageCosts:
     """A device's own seconds per message (not the link's): posting one receive (all of a step's receives
     are posted before its first instruction), sending one message (packing it and handing it over) and
-    taking one that has arrived (unpacking it)."""
+    taking one that has arrived (unpacking it). ``send_busy_s``: sending while another device is working
+    (in a kernel or a send, not waiting for a message): where workers share a host's cores, the transport's
+    own thread then waits for a core while the sender waits for it (None: ``send_s`` always)."""
 
     post_s: float = 0.0
     send_s: float = 0.0
     recv_s: float = 0.0
+    send_busy_s: float | None = None
 
 
 @dataclass
@@ -77,38 +82,58 @@ def simulate_programs(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | 
     """Run ``sp``'s programs with ``kernel_time`` per (device, kernel, micro-batch) and ``link`` per device
     pair (None: transfers are free and instant); ``record`` keeps every instruction's start and end;
     ``messages``: the devices' own time per message (None: none)."""
+    import heapq
+
     n = len(sp.programs)
     msg = messages or MessageCosts()
     clock = [msg.post_s * sum(i.kind == "recv" for i in prog.instructions) for prog in sp.programs]
     busy = [0.0] * n
     pos = [0] * n
     arrival: dict[int, float] = {}
+    blocked: dict[int, int] = {}  # transfer -> the device waiting for it
+    waits_until = [0.0] * n  # a device that waited for a message did so until this time
     link_free: dict[tuple[int, int], float] = {}
     link_busy: dict[tuple[int, int], float] = {}
     events: list[tuple] = []
-    progress = True
-    while progress:
-        progress = False
-        for d, prog in enumerate(sp.programs):
-            while pos[d] < len(prog.instructions):
-                ins = prog.instructions[pos[d]]
-                start = clock[d]
-                if ins.kind == "run":
-                    t = kernel_time(d, ins.kernel, ins.microbatch)
-                    clock[d] += t
-                    busy[d] += t
-                elif ins.kind == "send":
-                    clock[d] += msg.send_s
-                    arrival[ins.transfer] = _send(sp.transfers[ins.transfer], clock[d], link, link_free, link_busy)
-                elif ins.kind == "recv":
-                    if ins.transfer not in arrival:
-                        break
-                    clock[d] = max(clock[d], arrival[ins.transfer]) + msg.recv_s
-                if record:
-                    what = ins.kernel if ins.kind == "run" else ins.buffer if ins.kind == "free" else ins.transfer
-                    events.append((d, ins.kind, what, ins.microbatch, start, clock[d]))
-                pos[d] += 1
-                progress = True
+    # devices advance in time order (the earliest clock first), so when one sends, every other device's state
+    # at that moment is known (for MessageCosts.send_busy_s) and links serve messages in the order sent
+    ready = [(clock[d], d) for d in range(n) if sp.programs[d].instructions]
+    heapq.heapify(ready)
+
+    def active(o: int, now: float) -> bool:
+        """Whether device ``o`` is working at ``now`` (not done, not waiting for a message)."""
+        if o in blocked.values() or now < waits_until[o]:
+            return False
+        return pos[o] < len(sp.programs[o].instructions) or clock[o] > now
+
+    while ready:
+        _, d = heapq.heappop(ready)
+        ins = sp.programs[d].instructions[pos[d]]
+        start = clock[d]
+        if ins.kind == "run":
+            t = kernel_time(d, ins.kernel, ins.microbatch)
+            clock[d] += t
+            busy[d] += t
+        elif ins.kind == "send":
+            crowded = msg.send_busy_s is not None and any(active(o, start) for o in range(n) if o != d)
+            clock[d] += msg.send_busy_s if crowded else msg.send_s
+            tr = ins.transfer
+            arrival[tr] = _send(sp.transfers[tr], clock[d], link, link_free, link_busy)
+            if tr in blocked:
+                r = blocked.pop(tr)
+                heapq.heappush(ready, (clock[r], r))
+        elif ins.kind == "recv":
+            if ins.transfer not in arrival:
+                blocked[ins.transfer] = d
+                continue
+            waits_until[d] = arrival[ins.transfer]
+            clock[d] = max(clock[d], arrival[ins.transfer]) + msg.recv_s
+        if record:
+            what = ins.kernel if ins.kind == "run" else ins.buffer if ins.kind == "free" else ins.transfer
+            events.append((d, ins.kind, what, ins.microbatch, start, clock[d]))
+        pos[d] += 1
+        if pos[d] < len(sp.programs[d].instructions):
+            heapq.heappush(ready, (clock[d], d))
     stuck = [sp.devices[d] for d in range(n) if pos[d] < len(sp.programs[d].instructions)]
     if stuck:
         raise SimulationError(f"the programs cannot finish: {', '.join(stuck)} wait for messages never sent")
@@ -125,6 +150,7 @@ class StreamTimeline:
     link_busy_s: dict[tuple[int, int], float]
     steps: int
     micro_batches: int
+    waits_s: list[list[float]] = field(default_factory=list)  # per device: how long each receive waited
 
     @property
     def makespan_s(self) -> float:
@@ -171,6 +197,9 @@ def simulate_stream(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | No
     busy = [0.0] * n
     current: list[list[int] | None] = [None] * n  # [m, step, position]
     blocked: dict[tuple[int, int], int] = {}  # (step, transfer) -> the device waiting for it
+    waits_until = [0.0] * n  # a device that waited for a message did so until this time
+    wait_from: dict[int, float] = {}  # a blocked device: since when
+    waits: list[list[float]] = [[] for _ in range(n)]
     arrival: dict[tuple[int, int], float] = {}
     link_free: dict[tuple[int, int], float] = {}
     link_busy: dict[tuple[int, int], float] = {}
@@ -232,6 +261,7 @@ def simulate_stream(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | No
         ins = job[p]
         if ins.kind == "recv" and (i, ins.transfer) not in arrival:
             blocked[(i, ins.transfer)] = d
+            wait_from[d] = clock[d]
             continue
         if ins.kind == "run":
             t = kernel_time(d, ins.kernel, m)
@@ -239,17 +269,24 @@ def simulate_stream(sp: StepPrograms, kernel_time: KernelTime, link: LinkOf | No
             busy[d] += t
         elif ins.kind == "send":
             key = (i, ins.transfer)
-            clock[d] += msg.send_s
+            crowded = msg.send_busy_s is not None and any(
+                current[o] is not None and o not in blocked.values() and clock[d] >= waits_until[o]
+                for o in range(n) if o != d)
+            clock[d] += msg.send_busy_s if crowded else msg.send_s
             arrival[key] = _send(sp.transfers[ins.transfer], clock[d], link, link_free, link_busy)
             if key in blocked:
                 r = blocked.pop(key)
+                waits_until[r] = arrival[key]
                 schedule(r, max(clock[r], arrival[key]))
         elif ins.kind == "recv":
-            clock[d] = max(clock[d], arrival[(i, ins.transfer)]) + msg.recv_s
+            got = arrival[(i, ins.transfer)]
+            waits[d].append(max(0.0, got - wait_from.pop(d, clock[d])))
+            waits_until[d] = max(waits_until[d], got)
+            clock[d] = max(clock[d], got) + msg.recv_s
         current[d][2] = p + 1
         schedule(d, clock[d])
     if len(done) != count * steps:
         stuck = sorted({sp.devices[d] for d in blocked.values()})
         raise SimulationError(f"the streamed programs cannot finish: {', '.join(stuck) or 'some devices'} wait for "
                               "messages never sent")
-    return StreamTimeline(done, busy, link_busy, steps, count)
+    return StreamTimeline(done, busy, link_busy, steps, count, waits)
