@@ -10,14 +10,29 @@ import torch
 from tessera.sched.scheduler import Request
 from tessera.serve.backend import LocalBackend
 from tessera.serve.deployment import ServeConfig, start_engine
-from tessera.serve.engine import GenerationParams
-from tessera.serve.monitor import Monitor
+from tessera.serve.engine import GenerationParams, Histogram
+from tessera.serve.monitor import SWITCH_LOG, Monitor
 
 
 def _request(arrival: float, busy: float, finish: float | None = None) -> Request:
     r = Request("r", arrival, 4, 4)
     r.busy_s, r.finish_s = busy, finish
     return r
+
+
+def test_statistics_stay_bounded_however_long_the_server_runs():
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 1.0, 3.0, 7.0):
+        h.observe(v)
+    assert h.counts == [2, 2, 2] and h.count == 6 and h.sum == pytest.approx(11.65)
+    m = Monitor(window_s=0.1, cooldown_s=0.0, hysteresis=1.0)
+    busy, idle = [_request(0.0, 0.1, 1.0)], [_request(0.0, 0.1, 0.1)]  # latency / execution: 10, then 1
+    now = 0.0
+    for i in range(2 * SWITCH_LOG + 10):
+        now += 0.1
+        assert m.close_window(now, [], [], busy if i % 2 == 0 else idle) is not None
+    assert m.switch_count == 2 * SWITCH_LOG + 10 and len(m.switches) == SWITCH_LOG
+    assert m.switches[-1].at_s == pytest.approx(now)
 
 
 def test_monitor_switches_on_the_latency_ratio_with_a_cool_down():
@@ -101,7 +116,7 @@ def test_plan_switches_under_a_load_step_and_outputs_stay_exact():
         assert engine.placements.differ and "homogeneous" in how
         engine.backend = recorder = _Recorder(engine.backend)
         low = _serve(engine, [f"Count: {i}," for i in range(2)], concurrent=False)
-        assert engine.monitor.switches == [] and engine.objective == "latency"
+        assert not engine.monitor.switches and engine.objective == "latency"
         high = _serve(engine, [f"Item {i} is" for i in range(12)], concurrent=True)
         calm = _serve(engine, [f"Step {i}:" for i in range(4)], concurrent=False)
         switches = [(s.before, s.after) for s in engine.monitor.switches]
@@ -117,7 +132,7 @@ def test_plan_switches_under_a_load_step_and_outputs_stay_exact():
         from tessera.serve.api import create_app
 
         metrics = TestClient(create_app(engine, "smollm2-135m")).get("/metrics").text
-        assert f"tessera_plan_switches_total {len(engine.monitor.switches)}" in metrics
+        assert f"tessera_plan_switches_total {engine.monitor.switch_count}" in metrics
         assert 'tessera_active_plan{objective="latency"} 1' in metrics
         graphs = {name.split(":")[0]: g for name, g in recorder.backend.runner.graphs.items()}
         phases_run = {phase for phase, _, _ in recorder.steps}

@@ -29,10 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tessera.serve.engine import Engine, Generation, GenerationParams, RequestError
+from tessera.serve.engine import Engine, Generation, GenerationParams, Histogram, RequestError
 
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 RATE_WINDOW_S = 60.0  # tokens/s is measured over (about) the last minute of scrapes
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
@@ -139,8 +137,6 @@ class _Metrics:
         self.engine = engine
         self.start = time.monotonic()
         self.samples: deque[tuple[float, int]] = deque([(self.start, 0)])
-        self.ttft = _Histogram(TTFT_BUCKETS)
-        self.tpot = _Histogram(TPOT_BUCKETS)
 
     def tokens_per_second(self, now: float, tokens: int) -> float:
         while len(self.samples) > 1 and self.samples[1][0] <= now - RATE_WINDOW_S:
@@ -153,8 +149,6 @@ class _Metrics:
         e = self.engine
         stats = e.stats
         tokens = stats.tokens
-        self.ttft.update(stats.ttft_s)
-        self.tpot.update(stats.tpot_s)
         queued, in_flight = e.queue_depth()
         lines: list[str] = []
 
@@ -170,14 +164,14 @@ class _Metrics:
         metric("tessera_tokens_per_second", "gauge", "Tokens generated per second over the last minute of "
                "scrapes (since the server started on the first scrape).",
                [("", self.tokens_per_second(time.monotonic(), tokens))])
-        self.ttft.render(lines, "tessera_ttft_seconds", "Time to first token of each request.")
-        self.tpot.render(lines, "tessera_tpot_seconds", "Time per output token after the first, per request.")
+        _histogram(lines, "tessera_ttft_seconds", "Time to first token of each request.", stats.ttft)
+        _histogram(lines, "tessera_tpot_seconds", "Time per output token after the first, per request.", stats.tpot)
         metric("tessera_queue_depth", "gauge", "Requests waiting for a slot, and in flight.",
                [('{state="queued"}', queued), ('{state="in_flight"}', in_flight)])
         metric("tessera_active_plan", "gauge", "The objective whose step plans the engine runs (1 = active).",
                [(f'{{objective="{o}"}}', 1 if e.objective == o else 0) for o in ("latency", "throughput")])
         metric("tessera_plan_switches_total", "counter", "Plan switches made by the online monitor.",
-               [("", len(e.monitor.switches))])
+               [("", e.monitor.switch_count)])
         metric("tessera_step_seconds_total", "counter", "Seconds spent running steps, per objective.",
                [(f'{{objective="{o}"}}', s) for o, s in sorted(dict(stats.step_s).items())])
         metric("tessera_device_busy_seconds_total", "counter", "Seconds each device spent computing kernels.",
@@ -186,34 +180,15 @@ class _Metrics:
         return "\n".join(lines) + "\n"
 
 
-class _Histogram:
-    """A cumulative histogram fed from an append-only list of observations."""
-
-    def __init__(self, bounds: tuple[float, ...]):
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-        self.seen = 0
-
-    def update(self, values: list[float]) -> None:
-        new = values[self.seen:len(values)]
-        self.seen += len(new)
-        for v in new:
-            self.sum += v
-            for i, b in enumerate(self.bounds):
-                if v <= b:
-                    self.counts[i] += 1
-                    break
-            else:
-                self.counts[-1] += 1
-
-    def render(self, lines: list[str], name: str, help_: str) -> None:
-        lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
-        total = 0
-        for b, c in zip((*self.bounds, math.inf), self.counts, strict=True):
-            total += c
-            lines.append(f'{name}_bucket{{le="{_num(b)}"}} {total}')
-        lines += [f"{name}_sum {_num(self.sum)}", f"{name}_count {total}"]
+def _histogram(lines: list[str], name: str, help_: str, hist: Histogram) -> None:
+    """A Prometheus histogram (cumulative buckets, sum, count) of ``hist`` as it is now."""
+    counts, total_s = list(hist.counts), hist.sum  # the engine thread may add to it meanwhile
+    lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+    total = 0
+    for b, c in zip((*hist.bounds, math.inf), counts, strict=True):
+        total += c
+        lines.append(f'{name}_bucket{{le="{_num(b)}"}} {total}')
+    lines += [f"{name}_sum {_num(total_s)}", f"{name}_count {total}"]
 
 
 def _num(v: float) -> str:

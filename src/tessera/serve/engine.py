@@ -15,6 +15,7 @@ the engine thread): ``("token", text)``, then ``("done", finish_reason)`` or ``(
 
 from __future__ import annotations
 
+import bisect
 import queue
 import sys
 import threading
@@ -29,6 +30,7 @@ from tessera.errors import TesseraError
 from tessera.runtime.generate import Sampling
 from tessera.sched.scheduler import Buckets, Request, ScheduledStep, Scheduler, stages_for
 from tessera.serve.backend import ObjectivePlacements, StepBackend, phase_name
+from tessera.serve.detokenize import IncrementalDetokenizer
 from tessera.serve.monitor import Monitor
 
 EventSink = Callable[[str, Any], None]
@@ -60,11 +62,39 @@ class Generation:
     sink: EventSink
     sched: Request
     picker: Callable[[torch.Tensor], int]
+    detok: IncrementalDetokenizer | None = None
     tokens: list[int] = field(default_factory=list)
-    text: str = ""  # detokenised so far
+    text: str = ""  # detokenised so far (cut at a stop string)
+    cut: bool = False  # the text ends at a stop string: nothing more joins it
     sent: int = 0  # characters of text already emitted
     finish_reason: str | None = None
     cancelled: bool = False
+
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Histogram:
+    """Observations counted into buckets (``counts[i]``: at most ``bounds[i]`` and above the bound before;
+    the last count: above every bound), with their sum: constant memory however long the server runs."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        """Count one observation."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
 
 
 @dataclass
@@ -74,8 +104,8 @@ class EngineStats:
     tokens: int = 0
     completed: int = 0
     steps: int = 0
-    ttft_s: list[float] = field(default_factory=list)
-    tpot_s: list[float] = field(default_factory=list)
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))  # seconds to a request's first token
+    tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))  # seconds per later token, per request
     step_s: dict[str, float] = field(default_factory=dict)  # seconds in steps, per objective
     tokens_by: dict[str, int] = field(default_factory=dict)  # tokens generated, per objective
 
@@ -148,7 +178,8 @@ class Engine:
             self._count += 1
             rid = f"req-{self._count}"
         req = Request(rid, self.clock(), len(prompt_ids), params.max_tokens)
-        gen = Generation(rid, list(prompt_ids), params, sink, req, sampling.picker())
+        gen = Generation(rid, list(prompt_ids), params, sink, req, sampling.picker(),
+                         IncrementalDetokenizer(self.tokenizer))
         self._incoming.put(gen)
         self._wake.set()
         return gen
@@ -263,21 +294,29 @@ class Engine:
         """Account a new token; returns "stop" when it ends the request (EOS or a stop string)."""
         now = self.clock()
         if not gen.tokens:
-            self.stats.ttft_s.append(now - gen.sched.arrival_s)
+            self.stats.ttft.observe(now - gen.sched.arrival_s)
         self.stats.tokens += 1
         gen.tokens.append(token)
-        if token == self.eos:
+        if token == self.eos:  # the text ends before it
+            self._complete_text(gen)
             self._flush(gen, final=True)
             return "stop"
-        gen.text = self.tokenizer.decode(gen.tokens)  # no EOS in it: the request ends at its EOS
-        for stop in gen.params.stop:
-            at = gen.text.find(stop)
+        new = gen.detok.add(token)
+        gen.text = gen.detok.text
+        for stop in gen.params.stop:  # a stop can only end in the new text
+            at = gen.text.find(stop, max(0, len(gen.text) - len(new) - len(stop) + 1))
             if at >= 0:
-                gen.text = gen.text[:at]
+                gen.text, gen.cut = gen.text[:at], True
                 self._flush(gen, final=True)
                 return "stop"
         self._flush(gen, final=False)
         return None
+
+    def _complete_text(self, gen: Generation) -> None:
+        """The text of every token, including those that end inside a character (unless cut at a stop)."""
+        if not gen.cut:
+            gen.detok.finish()
+            gen.text = gen.detok.text
 
     def _flush(self, gen: Generation, final: bool) -> None:
         """Emit the text not sent yet, holding back a tail that could still become a stop string (or half a
@@ -299,11 +338,12 @@ class Engine:
         self._by_request.pop(id(gen.sched), None)
         self._finished_in_window.append(gen.sched)
         if reason != "cancelled":
+            self._complete_text(gen)
             self._flush(gen, final=True)
             self.stats.completed += 1
             first = gen.sched.first_output_s
             if first is not None and len(gen.tokens) > 1:
-                self.stats.tpot_s.append((now - first) / (len(gen.tokens) - 1))
+                self.stats.tpot.observe((now - first) / (len(gen.tokens) - 1))
         self._emit(gen, "done", reason)
 
     def _emit(self, gen: Generation, kind: str, payload: Any) -> None:

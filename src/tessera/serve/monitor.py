@@ -11,10 +11,13 @@ thresholds and a cool-down (``cooldown_s`` since the previous switch) keep the c
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from tessera.errors import TesseraError
 from tessera.sched.scheduler import Request
+
+SWITCH_LOG = 1000  # switches the monitor remembers (Monitor.switch_count counts them all)
 
 
 class MonitorError(TesseraError, ValueError):
@@ -41,7 +44,9 @@ class Monitor:
     hysteresis: float = 0.8  # back to the latency plans only below beta x hysteresis
     objective: str = "latency"
     enabled: bool = True
-    switches: list[Switch] = field(default_factory=list)
+    # the most recent switches (a long-running server keeps a bounded log) and how many there were in all
+    switches: deque[Switch] = field(default_factory=lambda: deque(maxlen=SWITCH_LOG))
+    switch_count: int = 0
     last_ratio: float | None = None
     _window_start: float | None = None
     _last_switch: float = float("-inf")
@@ -81,6 +86,7 @@ class Monitor:
             return None
         switch = Switch(now, self.objective, want, ratio)
         self.switches.append(switch)
+        self.switch_count += 1
         self.objective = want
         self._last_switch = now
         return switch
