@@ -114,3 +114,28 @@ def test_replay_of_a_saved_graph_in_a_fresh_process(tmp_path):
     got = torch.load(tmp_path / "out.pt")
     assert torch.equal(got["logits"], expected)
     assert all(torch.equal(got["state"][k], expected_state[k]) for k in expected_state)
+
+
+def test_a_replay_keeps_no_argument_tensors_after_each_kernel():
+    """Activations go back to the allocator when the program frees them: no kernel's argument list still
+    holds a tensor once the kernel has run (it used to, until the next step refilled it)."""
+    import weakref
+
+    cpu, meta_step, cpu_step = _steps("llm", "decode")
+    graph = trace(meta_step)
+    weights, _ = unique_state({"": cpu})
+    ex = Executor(graph, single_device_program(graph), weights)
+    activations: list[weakref.ref] = []
+    run_kernel = ex.run_kernel
+
+    def watched(index: int) -> None:
+        run_kernel(index)
+        call = ex._calls[index]
+        assert all(container[key] is None for container, key, _ in call.holes)
+        slot = call.out
+        if slot is not None and graph.buffers[slot.buffer].kind == "activation" and ex._views.get(slot.buffer):
+            activations.append(weakref.ref(next(iter(ex._views[slot.buffer].values()))[1]))
+
+    ex.run_kernel = watched
+    ex.run(cpu_step.inputs, {k: v.clone() for k, v in cpu_step.state.items()})
+    assert len(activations) > 20 and all(r() is None for r in activations)  # every one freed and gone

@@ -209,6 +209,7 @@ class Executor:
                 out = call.op(*call.args, **call.kwargs)
         except Exception as e:
             raise ExecutionError(f"kernel {self.graph.kernels[index].id} failed: {e}") from e
+        call.clear()
         if isinstance(out, torch.Tensor):
             if call.out is not None:
                 self._bind_output(call.out, out)
@@ -298,6 +299,12 @@ class _Call:
             r = TensorRef.from_json(ref)
             outs.append(_Slot(r, graph.buffers[r.buffer].nbytes))
         return cls(func, args, kwargs, holes, outs)
+
+    def clear(self) -> None:
+        """Drop the argument tensors: a buffer's memory must go back to the allocator when the program frees
+        it, not when this kernel's arguments are next refilled (a step later)."""
+        for container, key, _ in self.holes:
+            container[key] = None
 
     def fill(self, storages: dict, views: dict, make) -> None:
         """Put the current tensor of every slot into the argument containers (cached views where their
