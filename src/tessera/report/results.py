@@ -220,49 +220,43 @@ def _online_md(result: SuiteResult) -> list[str]:
     lines += ["### Sustained rate (requests/s) at <= "
               f"{cfg.latency_target_s * 1e3:g} ms per output token", "",
               "| model | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for c in result.online:
-        if c.status != "ok":
-            lines.append(f"| {c.model} | " + " | ".join(["failed"] * len(cols)) + " |")
-            continue
-        cells = []
-        for r in _by_label(c.runs, cols):
-            if r is None:
-                cells.append("-")
-            elif r.status != "ok":
-                cells.append(r.status)
-            elif r.sustained_rps is None:
-                cells.append(f"< {_num(min(x for x, _ in r.samples))}" if r.samples else "-")
-            else:
-                hi = r.bracket[1]
-                cells.append(f"{_num(r.sustained_rps)} ({'no miss found' if hi is None else _num(hi)})")
-        lines.append(f"| {c.model} | " + " | ".join(cells) + " |")
+    def sustained(r) -> str:
+        if r.sustained_rps is None:
+            return f"< {_num(min(x for x, _ in r.samples))}" if r.samples else "-"
+        hi = r.bracket[1]
+        return f"{_num(r.sustained_rps)} ({'no miss found' if hi is None else _num(hi)})"
+
+    lines += _online_rows(result, cols, sustained)
     lines.append("")
     lines += ["### Tails at a fixed rate: P99 TTFT / P99 TPOT", "",
               "Each model at one fixed rate for every policy (the rate in the second column: "
               + (first.fixed_rate_rule or "-") + "). TPOT is a request's time per output token after its "
               "first.", "",
               "| model | rate (req/s) | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
-    for c in result.online:
-        if c.status != "ok":
-            lines.append(f"| {c.model} | - | " + " | ".join(["failed"] * len(cols)) + " |")
-            continue
-        cells = []
-        for r in _by_label(c.runs, cols):
-            if r is None:
-                cells.append("-")
-            elif r.status != "ok":
-                cells.append(r.status)
-            elif r.at_fixed is None:
-                cells.append("-")
-            else:
-                cells.append(f"{_t(r.at_fixed['ttft_p99_s'])} / {_t(r.at_fixed['tpot_p99_s'])}")
-        lines.append(f"| {c.model} | {c.fixed_rate if c.fixed_rate else '-'} | " + " | ".join(cells) + " |")
+    lines += _online_rows(result, cols, lambda r: "-" if r.at_fixed is None else
+                          f"{_t(r.at_fixed['ttft_p99_s'])} / {_t(r.at_fixed['tpot_p99_s'])}",
+                          lead=lambda c: c.fixed_rate if c.fixed_rate else "-")
     lines.append("")
     for c in result.online:
         if c.status != "ok":
             lines += [f"**{c.model} failed**: the simulator cannot serve these requests with {c.expensive} alone "
                       f"(tried at a low rate before planning the other policies): {c.reason}", ""]
     return lines
+
+
+def _online_rows(result: SuiteResult, cols: list[str], cell, lead=None) -> list[str]:
+    """A table row per model of the online section: ``lead(case)`` first (if given), then a cell per policy
+    column: "-" where the policy has no run, the run's status where it failed, else ``cell(run)``; a model
+    whose simulations failed says so in every policy column."""
+    rows = []
+    for c in result.online:
+        first = f"| {c.model} | " + ("" if lead is None else f"{lead(c) if c.status == 'ok' else '-'} | ")
+        if c.status != "ok":
+            rows.append(first + " | ".join(["failed"] * len(cols)) + " |")
+            continue
+        cells = ["-" if r is None else r.status if r.status != "ok" else cell(r) for r in _by_label(c.runs, cols)]
+        rows.append(first + " | ".join(cells) + " |")
+    return rows
 
 
 def _by_label(runs, labels: list[str]) -> list:
