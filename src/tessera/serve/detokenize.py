@@ -29,22 +29,21 @@ class IncrementalDetokenizer:
     def add(self, token: int) -> str:
         """Append ``token``; returns the text it completes ("" while its bytes end inside a character)."""
         self.tokens.append(token)
-        before = self._decode(self.tokens[self._context:self._read])
-        after = self._decode(self.tokens[self._context:])
-        if len(after) <= len(before) or after.endswith(REPLACEMENT):
-            return ""
-        new = after[len(before):]
-        self.text += new
-        self._context, self._read = self._read, len(self.tokens)
-        return new
+        return self._advance(partial=False)
 
     def finish(self) -> str:
         """The text of tokens still waiting for the rest of a character (a generation that ended inside one
         gets the decoder's replacement character for it); returns what it added."""
-        if self._read == len(self.tokens):
-            return ""
+        return self._advance(partial=True)
+
+    def _advance(self, partial: bool) -> str:
+        """Move the tokens after the text into it (unless ``partial``, only once they end on a whole
+        character); returns the text added."""
         before = self._decode(self.tokens[self._context:self._read])
-        new = self._decode(self.tokens[self._context:])[len(before):]
+        after = self._decode(self.tokens[self._context:])
+        if not partial and (len(after) <= len(before) or after.endswith(REPLACEMENT)):
+            return ""
+        new = after[len(before):]
         self.text += new
-        self._context = self._read = len(self.tokens)
+        self._context, self._read = self._read, len(self.tokens)
         return new
