@@ -62,7 +62,7 @@ class Generation:
     sink: EventSink
     sched: Request
     picker: Callable[[torch.Tensor], int]
-    detok: IncrementalDetokenizer | None = None
+    detok: IncrementalDetokenizer
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # detokenised so far (cut at a stop string)
     cut: bool = False  # the text ends at a stop string: nothing more joins it
