@@ -2,6 +2,7 @@
 
 Usage: python benchmarks/bench_plan.py [--quick] [--models m1,m2] [--kernels 50,100,...] [--devices 2,3,4]
        [--micro-batches 4] [--objectives throughput,latency] [--time-limit 5] [--gap 0.01]
+       [--sections unfolded,full,reference] [--reference llama-3.1-8b:100:4,...] [--reference-limit 300]
 
 Each instance is the first K kernels of a `meta` trace (edges leaving the prefix dropped), cost-model
 times on the first D device types of A100, L40S, H100, RTXPRO6000, read-after-write edges with the
@@ -193,14 +194,46 @@ def full_size_section(args) -> None:
               f"(goal <= {BIG_GOAL_S:g} s): {'met' if big[2] <= BIG_GOAL_S else 'not met'}")
 
 
-SECTIONS = [unfolded_section, full_size_section]
+def reference_section(args) -> None:
+    """How far the LP bound sits below the optimum: for each ``--reference`` instance (MODEL:KERNELS:DEVICES),
+    the 5 s solve, then HiGHS on the exact MILP from its placement to a 1% gap and on to 0.01% (each within
+    ``--reference-limit`` seconds). Not in the default sections: it takes minutes."""
+    from tessera.plan.enumerate import objective_values
+    from tessera.plan.milp import _relaxation_lp, _solve_milp, solve_placement
+
+    print(f"\n## LP bound against the proven optimum (HiGHS on the exact MILP, <= {args.reference_limit:g} s per "
+          "stage)")
+    print(f"{'instance':28s} {'LP bound':>9s} {'5 s value':>10s} {'to 1% s':>8s} {'optimum':>9s} {'bound':>9s} "
+          f"{'LP below optimum':>17s}")
+    traced: dict[str, Traced] = {}
+    for spec in args.reference:
+        name, kernels, devices = spec.split(":")
+        t = traced.setdefault(name, trace(name))
+        p = prefix_problem(t, int(kernels), int(devices), args.micro_batches[0])
+        lp = _relaxation_lp(p, "throughput", args.reference_limit).bound
+        quick = solve_placement(p, "throughput", gap=args.gap, time_limit_s=args.time_limit)
+        t0 = time.perf_counter()
+        coarse, bound1, _ = _solve_milp(p, "throughput", 0.01, t0 + args.reference_limit, quick.assignment)
+        to_gap = time.perf_counter() - t0
+        start = quick.assignment if coarse is None else coarse
+        best, bound, _ = _solve_milp(p, "throughput", 1e-4, time.perf_counter() + args.reference_limit, start)
+        best = start if best is None else best
+        value = float(objective_values(p, np.asarray(best)[None], "throughput")[0])
+        bound = max(bound, bound1, lp)
+        proven = (value - bound) / value <= 1e-4 * (1 + 1e-6)
+        print(f"{spec:28s} {lp * 1e6:9.1f} {quick.value * 1e6:10.1f} {to_gap:8.1f} {value * 1e6:9.1f} "
+              f"{bound * 1e6:9.1f} {f'{100 * (1 - lp / value):.1f}%' + ('' if proven else ' (at most)'):>17s}",
+              flush=True)
+
+
+SECTIONS = [unfolded_section, full_size_section, reference_section]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="llama-3.1-8b only, 200 and 1000 kernels, 4 devices; "
                         "full size: llama-3.1-8b and the 16-GPU case")
-    parser.add_argument("--sections", default="unfolded,full", help="unfolded and/or full")
+    parser.add_argument("--sections", default="unfolded,full", help="any of unfolded, full, reference (the last is slow)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated catalog names")
     parser.add_argument("--kernels", default="50,100,200,500,1000", help="prefix lengths")
     parser.add_argument("--devices", default="2,3,4", help="numbers of device types")
@@ -208,6 +241,9 @@ def main() -> None:
     parser.add_argument("--objectives", default="throughput", help="throughput and/or latency")
     parser.add_argument("--time-limit", type=float, default=GOAL_S, help="seconds per solve")
     parser.add_argument("--gap", type=float, default=GOAL_GAP, help="relative gap to stop at")
+    parser.add_argument("--reference", default="llama-3.1-8b:100:4",
+                        help="MODEL:KERNELS:DEVICES instances of the reference section (--sections reference)")
+    parser.add_argument("--reference-limit", type=float, default=300.0, help="seconds per exact stage there")
     args = parser.parse_args()
     if args.quick:
         args.models, args.kernels, args.devices = "llama-3.1-8b", "200,1000", "4"
@@ -216,6 +252,12 @@ def main() -> None:
     args.devices = [int(x) for x in args.devices.split(",")]
     args.micro_batches = [int(x) for x in args.micro_batches.split(",")]
     args.objectives = args.objectives.split(",")
+    args.reference = [r for r in args.reference.split(",") if r]
+    for spec in args.reference:
+        parts = spec.split(":")
+        if len(parts) != 3 or parts[0] not in MODELS or not parts[1].isdigit() or parts[2] not in ("2", "3", "4"):
+            parser.error(f"--reference {spec!r}: want MODEL:KERNELS:DEVICES with MODEL one of {', '.join(MODELS)} "
+                         "and DEVICES 2, 3 or 4 (e.g. llama-3.1-8b:100:4)")
     from importlib.metadata import version
 
     print(f"# machine: {platform.machine()}, highspy {version('highspy')}, time limit {args.time_limit:g} s, "
