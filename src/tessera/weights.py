@@ -63,7 +63,7 @@ def load_weights(path: str | Path, names: list[str] | None = None,
             if key not in read:
                 tensor = f.get_tensor(key)
                 # safetensors maps the file into CPU tensors: decode GEMMs reading those pages ran as fast as on
-                # a private copy on an idle development VM, but 1.1-1.7x slower while another process used the
+                # a private copy on an idle development VM, but up to 1.7x slower while another process used the
                 # cores (as a worker's peer does)
                 read[key] = tensor.clone() if tensor.device.type == "cpu" else tensor
             out[name] = read[key]
