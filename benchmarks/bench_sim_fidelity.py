@@ -31,7 +31,7 @@ Its inputs are probes of the pool (:mod:`tessera.runtime.probe`), never timings 
   one micro-batch's outputs (``stream``'s feedback).
 
 Goal: simulated within 15% of measured (mean absolute error over the cases); the test
-tests/test_sim_fidelity.py enforces a looser bound (40%) on one small case.
+tests/sim/test_fidelity.py enforces a looser bound (40%) on one small case.
 """
 
 from __future__ import annotations

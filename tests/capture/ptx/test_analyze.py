@@ -1,7 +1,7 @@
 """Per-parameter access analysis of PTX kernels: real compiler output and hand-written edge cases.
 
 Expectations for the compiled samples (tests/fixtures/ptx/unit/*.cu and generate.py) are written from
-the CUDA/Triton source. The big ground-truth corpus is checked by tests/test_ptx_corpus.py.
+the CUDA/Triton source. The big ground-truth corpus is checked by tests/capture/ptx/test_corpus.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from tessera.capture.ptx import access_sites, analyze_module, analyze_ptx, parse_ptx
 
-UNIT = Path(__file__).resolve().parent / "fixtures" / "ptx" / "unit"
+UNIT = Path(__file__).resolve().parents[2] / "fixtures" / "ptx" / "unit"
 HEADER = ".version 8.3\n.target sm_90a\n.address_size 64\n"
 
 # kernel -> [(kind, access, indirect, {field offset: access})] in parameter order

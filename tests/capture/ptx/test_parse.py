@@ -14,8 +14,8 @@ import pytest
 from tessera.capture.ptx import PtxSyntaxError, parse_ptx
 from tessera.capture.ptx.parse import parse_int
 
-UNIT = Path(__file__).resolve().parent / "fixtures" / "ptx" / "unit"
-ALL_PTX = sorted((Path(__file__).resolve().parent / "fixtures" / "ptx").rglob("*.ptx"))
+UNIT = Path(__file__).resolve().parents[2] / "fixtures" / "ptx" / "unit"
+ALL_PTX = sorted((Path(__file__).resolve().parents[2] / "fixtures" / "ptx").rglob("*.ptx"))
 
 HEADER = ".version 8.0\n.target sm_80\n.address_size 64\n"
 

@@ -22,10 +22,10 @@ from tessera.capture.ptx.extract import find_tool, ptx_target
 from tessera.capture.ptx.instrument import BUFFER_PARAM, SLOT_BYTES, instrument_ptx
 from tessera.capture.ptx.parse import parse_ptx
 
-FIXTURES = Path(__file__).parent / "fixtures" / "ptx"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "ptx"
 SAMPLES = sorted((FIXTURES / "instrument").glob("*.ptx"))
 CORPUS = sorted((FIXTURES / "corpus" / "ptx").glob("*.ptx"))
-BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "gpu_ptx_ranges.py"
+BENCHMARK = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_ptx_ranges.py"
 PTXAS = find_tool("ptxas")
 needs_ptxas = pytest.mark.skipif(PTXAS is None, reason="ptxas not found: pip install nvidia-cuda-nvcc")
 ATOM_RE = re.compile(r"(@!?[%\w]+\s+)?atom\.global\.(min|max)\.u64\s+%tsr3, \[%tsr0\+(\d+)\], (%tsr[12]);")

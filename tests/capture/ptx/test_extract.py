@@ -26,8 +26,8 @@ from tessera.capture.ptx.extract import (
 )
 from tessera.errors import TesseraError
 
-BINARIES = Path(__file__).parent / "fixtures" / "ptx" / "binaries"
-SAMPLES = Path(__file__).parent / "fixtures" / "ptx" / "instrument"
+BINARIES = Path(__file__).resolve().parents[2] / "fixtures" / "ptx" / "binaries"
+SAMPLES = Path(__file__).resolve().parents[2] / "fixtures" / "ptx" / "instrument"
 
 needs_cuobjdump = pytest.mark.skipif(
     find_tool("cuobjdump") is None, reason="cuobjdump not found: pip install nvidia-cuda-cuobjdump"

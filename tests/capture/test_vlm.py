@@ -21,7 +21,7 @@ from tessera.program.program import single_device_program
 from tessera.runtime.executor import Executor
 from tessera.weights import unique_state
 
-CATALOG = Path(__file__).resolve().parents[1] / "src" / "tessera" / "capture" / "catalog" / "qwen2.5-vl-7b"
+CATALOG = Path(__file__).resolve().parents[2] / "src" / "tessera" / "capture" / "catalog" / "qwen2.5-vl-7b"
 IMAGE = (112, 84)  # 8 x 6 patches, 4 x 3 merged tokens, 4 attention windows of unequal size
 BATCH, SEQ, CTX, START = 2, 20, 32, 3
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from tessera.capture.ptx.cli import ptx_app
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "ptx"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "ptx"
 UNIT = FIXTURES / "unit"
 BINARIES = FIXTURES / "binaries"
 

@@ -9,7 +9,7 @@ from tessera.hardware.cluster import Link
 from tessera.program.program import build_programs
 from tessera.runtime.probe import PoolModel, ProbeError, ProgramTimes, classify_sends, measure_program_times
 from tessera.sim.programs import MessageCosts
-from test_sim_programs import _chain  # a sibling test module: pytest puts tests/ on the path
+from tests.sim.test_programs import _chain
 
 
 def test_sends_are_classed_by_whether_another_worker_was_working():

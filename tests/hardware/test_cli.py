@@ -45,7 +45,7 @@ def test_cluster_errors_exit_2():
 def test_example_cluster_file():
     from pathlib import Path
 
-    example = Path(__file__).parents[1] / "examples" / "clusters" / "h100_rtxpro6000.yaml"
+    example = Path(__file__).resolve().parents[2] / "examples" / "clusters" / "h100_rtxpro6000.yaml"
     r = runner.invoke(app, ["devices", "--cluster", str(example), "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 CORPUS = ROOT / "tests" / "fixtures" / "ptx" / "corpus"
 CUDA_DIR = CORPUS / "cuda"
 PTX_DIR = CORPUS / "ptx"

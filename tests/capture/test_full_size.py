@@ -1,6 +1,6 @@
 """Full-size `meta` traces of the catalog's language models at real configs (speed: benchmarks/bench_trace.py).
 
-qwen2.5-vl-7b and sd3.5-medium at full size are covered in tests/test_vlm.py and tests/test_diffusion.py.
+qwen2.5-vl-7b and sd3.5-medium at full size are covered in tests/capture/test_vlm.py and tests/capture/test_diffusion.py.
 """
 
 from __future__ import annotations
