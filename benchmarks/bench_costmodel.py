@@ -26,8 +26,8 @@ from rich.table import Table
 
 from tessera.cost.cpu_calibration import fit_host, relative_errors, samples, timing_spread
 from tessera.cost.efficiency import host_factors_file, save_factors
-from tessera.cost.profiler import profile_model
 from tessera.hardware.host import host_spec
+from tessera.runtime.profiler import profile_model
 
 FIT = [("smollm2-135m", "decode", dict(batch=1, ctx=256)), ("smollm2-135m", "decode", dict(batch=4, ctx=512)),
        ("smollm2-135m", "prefill", dict(batch=1, seq=64, ctx=256)),

@@ -27,7 +27,7 @@ from tessera.cost.gpu_calibration import (
     load_points,
     predict_target,
 )
-from tessera.hardware.catalog import resolve_device
+from tessera.hardware.devices import resolve_device
 
 
 def _table(title: str, rows: dict[str, dict[str, float]]) -> Table:

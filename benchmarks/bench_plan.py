@@ -6,7 +6,7 @@ Usage: python benchmarks/bench_plan.py [--quick] [--models m1,m2] [--kernels 50,
 
 Each instance is the first K kernels of a `meta` trace (edges leaving the prefix dropped), cost-model
 times on the first D device types of A100, L40S, H100, RTXPRO6000, read-after-write edges with the
-bytes the consumer reads (`tessera.plan.build.data_edges`), state colocation as `together` pairs, no
+bytes the consumer reads (`tessera.graph.dataflow.data_edges`), state colocation as `together` pairs, no
 memory limits, and one 25 Gb/s link (3.125e9 B/s, 5 us per message) between every pair of devices.
 `solve_placement` runs with the given gap and time limit; the table shows its wall time, the proven
 relative gap, the lower bound and the incumbent.
@@ -63,8 +63,8 @@ def trace(name: str) -> Traced:
     """Trace ``name`` on meta and cost every kernel on every device of DEVICES."""
     from tessera.capture.api import trace_model
     from tessera.cost.model import CostModel
-    from tessera.hardware.catalog import resolve_device
-    from tessera.plan.build import colocation, data_edges
+    from tessera.graph.dataflow import colocation, data_edges
+    from tessera.hardware.devices import resolve_device
 
     phase, kw = MODELS[name]
     g = trace_model(name, phase, **kw)

@@ -169,7 +169,7 @@ def attention_ffn(graph) -> list[int]:
 
 def _by_units(graph, placement: list[int]) -> list[int]:
     """Kernels that must share a device (state, indirect kernels) go with their unit's first kernel."""
-    from tessera.program.placements import colocation_units
+    from tessera.graph.dataflow import colocation_units
 
     units = colocation_units(graph)
     first: dict[int, int] = {}

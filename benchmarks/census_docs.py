@@ -21,7 +21,7 @@ from tessera.cost.census import Census, Share, census, census_phases
 from tessera.cost.gpu_calibration import load_pairs
 from tessera.cost.model import CostModel
 from tessera.cost.options import CostOptions
-from tessera.hardware.catalog import resolve_device
+from tessera.hardware.devices import resolve_device
 from tessera.report.plots import census_ratio_cdf
 
 ROOT = Path(__file__).resolve().parents[1]

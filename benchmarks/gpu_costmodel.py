@@ -32,7 +32,7 @@ def main() -> None:
         sys.exit(0)
     from tessera.cost.cpu_calibration import fit_host, relative_errors, samples
     from tessera.cost.efficiency import efficiency_for
-    from tessera.cost.profiler import profile_model
+    from tessera.runtime.profiler import profile_model
 
     def run(cases):
         rows, device_id = [], None
@@ -47,7 +47,7 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}")
     fit_rows, device_id = run(CASES_FIT)
     held_rows, _ = run(CASES_HELD)
-    from tessera.hardware.catalog import resolve_device
+    from tessera.hardware.devices import resolve_device
 
     spec = resolve_device(device_id)
     shipped = efficiency_for(spec)

@@ -47,7 +47,7 @@ def shape_of(ctx: PlanContext, plan) -> str:
         return plan.reason
     if "replicas" in plan.extra:
         return plan.reason
-    from tessera.plan.steps import plan_targets
+    from tessera.plan.objective_steps import plan_targets
 
     targets = plan_targets(ctx, plan)
     rctx = ctx.for_batch(step.batch)

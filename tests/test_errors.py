@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from tessera.capture.step import Step
 from tessera.capture.trace import DataDependentOpError, trace
-from tessera.cli import app
+from tessera.cli.main import app
 
 runner = CliRunner()
 

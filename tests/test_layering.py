@@ -20,7 +20,7 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 # Bottom first. docs/architecture.md lists the same layers in the same order (checked below).
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "paths", "documents", "console", "cli_options"),
+    ("errors", "paths", "documents", "console"),
     ("graph",),
     ("hardware", "weights", "workload", "kernels", "sched", "program"),
     ("capture",),

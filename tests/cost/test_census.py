@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tessera.capture.api import trace_model
-from tessera.cli import app
+from tessera.cli.main import app
 from tessera.cost.census import (
     BLOCKS,
     EQUAL,
@@ -22,7 +22,8 @@ from tessera.cost.census import (
     parse_devices,
 )
 from tessera.cost.model import CostModel
-from tessera.hardware.catalog import UnknownDeviceError, resolve_device
+from tessera.hardware.catalog import UnknownDeviceError
+from tessera.hardware.devices import resolve_device
 from tessera.report.plots import PlotError, census_ratio_cdf
 
 runner = CliRunner()

@@ -7,14 +7,14 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from tessera.cli import app
+from tessera.cli.main import app
 from tessera.cost.efficiency import ClassEfficiency, efficiency_for, gpu_factors_provenance, prior_efficiency
 from tessera.cost.features import FeatureExtractor, KernelFeatures, cost_class
 from tessera.cost.model import CostModel, ProfileDeviceError
 from tessera.cost.options import CostOptionError, CostOptions
 from tessera.cost.profile import KernelTiming, Profile, kernel_signature
 from tessera.cost.roofline import compute_path, kernel_time, wave_utilisation
-from tessera.hardware.catalog import resolve_device
+from tessera.hardware.devices import resolve_device
 
 runner = CliRunner()
 EFF = ClassEfficiency(compute=0.7, memory=0.8, floor_cycles=2000)

@@ -7,10 +7,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from tessera.cli import app
-from tessera.hardware.catalog import resolve_device
-from tessera.report.results import write_report
-from tessera.sim.suite import SECTIONS, SuiteConfig, SuiteError, check_sections, run_suite, split_pair
+from tessera.cli.main import app
+from tessera.evaluation.report import write_report
+from tessera.evaluation.suite import SECTIONS, SuiteConfig, SuiteError, check_sections, run_suite, split_pair
+from tessera.hardware.devices import resolve_device
 
 runner = CliRunner()
 POLICIES = ("homogeneous", "prefill-decode", "attention-ffn", "layer-pipeline")  # no MILP search: fast
@@ -161,7 +161,7 @@ def test_bad_input_exits_2_before_any_planning(tmp_path, args, message):
 def test_the_report_names_the_command_that_regenerates_it():
     from pathlib import Path
 
-    from tessera.sim.evaluate_cli import _command
+    from tessera.cli.evaluate import _command
 
     assert _command(Path("docs/results"), None, False, None, None, None, None, None, "relative") == \
         ".venv/bin/tessera evaluate -o docs/results"

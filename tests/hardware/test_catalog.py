@@ -15,8 +15,8 @@ from tessera.hardware.catalog import (
     UnknownDeviceError,
     device_ids,
     load_devices,
-    resolve_device,
 )
+from tessera.hardware.devices import resolve_device
 from tessera.hardware.host import host_cores, host_spec
 
 CONTRACT_IDS = ["A100", "A100-PCIE", "A100-40G", "H100", "H100-PCIE", "H200", "H20", "B200", "L40S", "L40", "L4",

@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from tessera.cli import app
+from tessera.cli.main import app
 
 runner = CliRunner()
 

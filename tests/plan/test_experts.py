@@ -9,7 +9,7 @@ from tessera.cost.features import KernelFeatures
 from tessera.cost.model import CostModel
 from tessera.cost.roofline import kernel_time
 from tessera.cost.routing import RoutingDistribution
-from tessera.hardware.catalog import resolve_device
+from tessera.hardware.devices import resolve_device
 from tessera.plan.enumerate import solve_by_enumeration
 from tessera.plan.experts import (
     ExpertSplitError,

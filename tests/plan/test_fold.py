@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 
 from tessera.capture.api import trace_model
+from tessera.graph.dataflow import colocation, data_edges
 from tessera.graph.layers import layer_structure
 from tessera.hardware.cluster import parse_cluster
-from tessera.plan.build import build_step_problem, colocation, data_edges, memory_items
-from tessera.plan.evaluate import Schedule, evaluate, schedule
+from tessera.plan.build import build_step_problem, memory_items
 from tessera.plan.fold import fold_groups, layer_groups, merge
 from tessera.plan.problem import MemorySpec, PlacementProblem, PlacementProblemError
+from tessera.plan.step_evaluation import Schedule, evaluate, schedule
 from tessera.plan.targets import cluster_targets
 
 

@@ -15,8 +15,8 @@ from tessera.cost.options import CostOptions
 from tessera.cost.profile import KernelTiming, Profile, kernel_signature
 from tessera.cost.roofline import kernel_time
 from tessera.cost.routing import RoutingDistribution
-from tessera.hardware.catalog import resolve_device
 from tessera.hardware.cluster import Link
+from tessera.hardware.devices import resolve_device
 from tessera.plan.groups import (
     DeviceGroup,
     DeviceGroupError,

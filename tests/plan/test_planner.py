@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tessera.capture.api import trace_model
-from tessera.cli import app
+from tessera.cli.main import app
 from tessera.hardware.cluster import Cluster, ClusterSpecError, Link, parse_cluster
 from tessera.plan.context import PlanContext, PlanningError
 from tessera.plan.deployment import DeploymentPlan, PlanFileError
@@ -49,7 +49,7 @@ def test_every_policy_is_solved_and_tessera_never_loses(smollm2_compare):
 
 def test_homogeneous_plan_is_the_cost_model_step_time(smollm2_compare):
     from tessera.cost.model import CostModel
-    from tessera.hardware.catalog import resolve_device
+    from tessera.hardware.devices import resolve_device
 
     ctx, plans = smollm2_compare
     a100 = next(p for p in plans if p.device == "A100")

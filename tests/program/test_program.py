@@ -12,7 +12,8 @@ from tessera.capture.models import resolve_model, tiny_config
 from tessera.capture.phases import StepShape, build_model, step_for
 from tessera.capture.step import Step
 from tessera.capture.trace import trace
-from tessera.program.placements import colocation_units, synthetic_placement
+from tessera.graph.dataflow import colocation_units
+from tessera.program.placements import synthetic_placement
 from tessera.program.program import PlacementError, build_programs, single_device_program
 from tessera.program.ranges import Ranges
 from tessera.sim.programs import simulate_programs

@@ -8,10 +8,10 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from tessera.cli import app
+from tessera.cli.main import app
 
 PROMPT = "The capital of France is"
-ENTRY = "from tessera.cli import main; main()"
+ENTRY = "from tessera.cli.main import main; main()"
 
 
 def _tessera(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tessera.cli import app
+from tessera.cli.main import app
 
 MODEL = "smollm2-135m"
 KEY = "test-key"
@@ -55,7 +55,7 @@ class _Server:
 @pytest.fixture(scope="module")
 def servers():
     """(tessera: 2 cpu workers, alternate placement, API key; reference: the same buckets in one process)."""
-    from tessera.serve.deployment import ServeConfig, start_engine
+    from tessera.serve.launch import ServeConfig, start_engine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the reference runs with the workers' thread count

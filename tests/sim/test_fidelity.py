@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tessera.program.placements import colocation_units
+from tessera.graph.dataflow import colocation_units
 from tessera.runtime.distributed import DistributedRunner
 from tessera.runtime.probe import (
     PoolModel,

@@ -8,10 +8,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from tessera.cli import app
+from tessera.cli.main import app
 from tessera.cost.model import CostModel
-from tessera.hardware.catalog import resolve_device
 from tessera.hardware.cluster import Link, parse_cluster
+from tessera.hardware.devices import resolve_device
 from tessera.plan.context import PlanContext
 from tessera.plan.planner import plan_policy
 from tessera.program.placements import synthetic_placement
@@ -152,7 +152,7 @@ def test_a_plan_carries_over_to_a_bucket_with_more_kernels():
 
     from tessera.capture.step import Step
     from tessera.capture.trace import trace
-    from tessera.sim.steps import transfer_assignment
+    from tessera.sim.step_timer import transfer_assignment
 
     def graph(chunks: int):
         def fn(inp, st, _c):

@@ -230,7 +230,7 @@ def census(graphs: Sequence[KernelGraph] | Mapping[str, KernelGraph], a: CostMod
 
 def parse_devices(text: str) -> tuple[DeviceSpec, DeviceSpec]:
     """Exactly two comma-separated devices (catalog ids or aliases), resolved; they must differ."""
-    from tessera.hardware.catalog import resolve_device
+    from tessera.hardware.devices import resolve_device
 
     names = [n.strip() for n in str(text).split(",")]
     if len(names) != 2 or not all(names):

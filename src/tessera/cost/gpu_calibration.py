@@ -22,7 +22,8 @@ import numpy as np
 
 from tessera.cost.efficiency import ClassEfficiency, DeviceEfficiency, prior_efficiency
 from tessera.cost.roofline import L2_RESIDENT_FRACTION, l2_bandwidth
-from tessera.hardware.catalog import DeviceSpec, resolve_device
+from tessera.hardware.catalog import DeviceSpec
+from tessera.hardware.devices import resolve_device
 
 DATA = Path(__file__).parent / "data" / "calibration"
 PAIRS_FILE = DATA / "gptoss20b_a100_l40s_kernel_pairs.tsv"

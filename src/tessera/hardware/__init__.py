@@ -6,7 +6,6 @@ from tessera.hardware.catalog import (
     UnknownDeviceError,
     device_ids,
     load_devices,
-    resolve_device,
 )
 from tessera.hardware.cluster import (
     Cluster,
@@ -16,6 +15,7 @@ from tessera.hardware.cluster import (
     load_cluster_yaml,
     parse_cluster,
 )
+from tessera.hardware.devices import resolve_device
 from tessera.hardware.host import host_spec
 
 __all__ = [

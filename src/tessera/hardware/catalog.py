@@ -2,9 +2,9 @@
 
 `devices.yaml` (next to this file) holds one row per device type in readable units; `load_devices` checks
 every row and converts it to a `DeviceSpec` in SI units (bytes, bytes/s, FLOP/s, Hz, seconds).
-`resolve_device` turns a name ("a100", "H100 SXM", "cpu:4") into a spec; lookup ignores case, '-', '_'
-and spaces. The `cpu` device is this host: `host_spec` measures it once (matmul FLOP/s, copy bandwidth,
-op dispatch latency) and caches the result as JSON.
+`tessera.hardware.devices.resolve_device` turns a name ("a100", "H100 SXM", "cpu:4") into a spec; lookup ignores case, '-', '_'
+and spaces. The `cpu` device is this host: `tessera.hardware.host` measures it once (matmul FLOP/s, copy
+bandwidth, op dispatch latency) and caches the result as JSON.
 """
 
 from __future__ import annotations
@@ -259,6 +259,11 @@ def load_devices(path: Path | None = None) -> dict[str, DeviceSpec]:
     return dict(_catalog(path).specs)
 
 
+def datasheet_spec(device_id: str) -> DeviceSpec:
+    """The packaged catalog's spec of a canonical GPU id (see `canonical_id`)."""
+    return _default_catalog().specs[device_id]
+
+
 def device_ids() -> list[str]:
     """Canonical ids of every known device, `cpu` last."""
     return [*_default_catalog().specs, HOST_ID]
@@ -281,30 +286,6 @@ def canonical_id(name: str) -> str:
     hint = f"; did you mean {', '.join(matches)}?" if matches else ""
     raise UnknownDeviceError(f"unknown device {name!r}{hint} Known devices: {', '.join(device_ids())} "
                              "(names ignore case, '-', '_' and spaces; 'cpu:N' = this host split N ways)")
-
-
-def resolve_device(name: str) -> DeviceSpec:
-    """The spec of device `name`: a catalog id or alias, "cpu" (this host, measured), or "cpu:N".
-
-    "cpu:N" is this host split into N workers: each uses cores // N threads (at least 1).
-
-    Raises:
-        UnknownDeviceError: an unknown name or a malformed "cpu:N".
-    """
-    from tessera.hardware.host import host_spec, worker_threads
-
-    base, sep, count = str(name).strip().partition(":")
-    rid = canonical_id(base)
-    if rid != HOST_ID:
-        if sep:
-            raise UnknownDeviceError(f"device {name!r}: only 'cpu' takes ':N' (workers); a GPU count belongs "
-                                     f"in a cluster spec such as 'A100:2,L40S:1'")
-        return _default_catalog().specs[rid]
-    if not sep:
-        return host_spec()
-    if not count.strip().isdigit() or int(count) < 1:
-        raise UnknownDeviceError(f"device {name!r}: expected 'cpu:N' with N a whole number >= 1 (workers)")
-    return host_spec(worker_threads(int(count)))
 
 
 def host_row():

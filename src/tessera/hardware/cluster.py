@@ -14,13 +14,8 @@ from typing import Any
 
 from tessera.documents import read_yaml
 from tessera.errors import TesseraError
-from tessera.hardware.catalog import (
-    HOST_ID,
-    DeviceSpec,
-    UnknownDeviceError,
-    canonical_id,
-    resolve_device,
-)
+from tessera.hardware.catalog import HOST_ID, DeviceSpec, UnknownDeviceError, canonical_id
+from tessera.hardware.devices import resolve_device
 from tessera.hardware.host import host_spec, worker_threads
 
 LINK_KINDS = ("nvlink", "pcie", "ib", "ethernet", "loopback")

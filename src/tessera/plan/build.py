@@ -23,6 +23,7 @@ from tessera.cost.model import CostModel
 from tessera.cost.options import CostOptions
 from tessera.cost.profile import Profile
 from tessera.cost.routing import RoutingDistribution
+from tessera.graph.dataflow import colocation, data_edges
 from tessera.graph.ir import KernelGraph
 from tessera.hardware.cluster import Cluster
 from tessera.plan.experts import SplitMapping
@@ -85,40 +86,6 @@ def target_times(graph: KernelGraph, features: list[KernelFeatures], target: Tar
         return np.array([c.time_s for c in model.kernel_costs(graph, features)])
     group = DeviceGroup(target.spec, target.size, target.intra, tp=target.size, ep=target.size)
     return np.asarray(group_kernel_times(graph, features, model, group, routing).total_s, dtype=float)
-
-
-def _access_bytes(graph: KernelGraph) -> tuple[dict, dict]:
-    written: dict[tuple[int, str], int] = defaultdict(int)
-    read: dict[tuple[int, str], int] = defaultdict(int)
-    for a in graph.accesses:
-        n = int(np.prod(a.sizes)) * a.itemsize if a.sizes else a.itemsize
-        (written if a.mode == "write" else read)[(a.kernel, a.buffer)] += n
-    return written, read
-
-
-def data_edges(graph: KernelGraph) -> list[tuple[int, int, float]]:
-    """(producer, consumer, bytes) of every read-after-write dependency, coalesced per kernel pair."""
-    written, read = _access_bytes(graph)
-    pairs: dict[tuple[int, int], float] = defaultdict(float)
-    for e in graph.edges:
-        if e.kind != "RAW" or graph.buffers[e.buffer].kind in ("weight", "constant", "state"):
-            continue
-        pairs[(e.src, e.dst)] += min(written[(e.src, e.buffer)], read[(e.dst, e.buffer)])
-    return [(s, d, b) for (s, d), b in sorted(pairs.items())]
-
-
-def colocation(graph: KernelGraph, edges: list[tuple[int, int, float]]) -> list[tuple[int, int]]:
-    """Pairs of kernels that must share a device: state touched by both, or an indirect/opaque kernel
-    and the kernels it exchanges data with."""
-    state = set(graph.state)
-    touching: dict[str, list[int]] = defaultdict(list)
-    for a in graph.accesses:
-        if a.buffer in state and (not touching[a.buffer] or touching[a.buffer][-1] != a.kernel):
-            touching[a.buffer].append(a.kernel)
-    pairs = {(ks[0], k) for ks in touching.values() for k in ks[1:]}
-    indirect = {k.index for k in graph.kernels if k.indirect}
-    pairs |= {(s, d) for s, d, _ in edges if s in indirect or d in indirect}
-    return sorted(pairs)
 
 
 def memory_items(graph: KernelGraph, options: CostOptions, micro_batches: int, state_scale: float = 1.0) -> MemorySpec:

@@ -20,9 +20,9 @@ from tessera.graph.layers import LayerStructureError, layer_structure
 from tessera.hardware.cluster import Cluster
 from tessera.plan.build import StepProblem, build_step_problem
 from tessera.plan.deployment import DeploymentPlan, StateMove, StepPlan
-from tessera.plan.evaluate import evaluate
 from tessera.plan.fold import Merged, fold_groups, merge
 from tessera.plan.problem import MICRO_BATCHES
+from tessera.plan.step_evaluation import evaluate
 from tessera.plan.targets import Target, link_between
 from tessera.workload import FixedWorkload, ImagesWorkload, PoissonWorkload, Workload
 

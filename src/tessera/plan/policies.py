@@ -29,10 +29,10 @@ from tessera.errors import TesseraError
 from tessera.graph.layers import layer_structure
 from tessera.plan.context import PhaseSpec, PlanContext, PlanningError
 from tessera.plan.deployment import DeploymentPlan
-from tessera.plan.evaluate import evaluate
 from tessera.plan.fold import layer_groups, merge
 from tessera.plan.milp import SolverError, solve_placement
 from tessera.plan.problem import PlacementProblem
+from tessera.plan.step_evaluation import evaluate
 from tessera.plan.targets import Target, cluster_targets
 
 POLICIES = ("homogeneous", "request-dist", "prefill-decode", "attention-ffn", "layer-pipeline", "tessera")

@@ -16,7 +16,7 @@ The two objectives (both in seconds):
 
 Both count a critical path over the dependency graph (plus the transfers of cut loop edges): kernels
 without a path between them may overlap even on one device. Reported plans
-(:mod:`tessera.plan.evaluate`) also bound a micro-batch's step by the busiest device's serial work,
+(:mod:`tessera.plan.step_evaluation`) also bound a micro-batch's step by the busiest device's serial work,
 which leaves every throughput cycle unchanged (M x busiest device already bounds it) and makes
 reported latencies no shorter than one device's work.
 

@@ -2,7 +2,7 @@
 
 Both respect what every placement must: kernels that touch the same state buffer share a device, and
 kernels the PTX analysis flags indirect stay with their neighbours (the same co-location units the
-planner uses, :func:`tessera.plan.build.colocation`). Units are numbered by their first kernel, so
+planner uses, :func:`tessera.graph.dataflow.colocation_units`). Units are numbered by their first kernel, so
 consecutive units land on different devices under ``alternate``.
 """
 
@@ -10,30 +10,11 @@ from __future__ import annotations
 
 import random
 
+from tessera.graph.dataflow import colocation_units
 from tessera.graph.ir import KernelGraph
 from tessera.program.program import PlacementError
 
 PLACEMENTS = ("alternate", "random")
-
-
-def colocation_units(graph: KernelGraph) -> list[int]:
-    """Kernel -> unit id: kernels that must share a device have the same unit (ids in order of first kernel)."""
-    from tessera.plan.build import colocation, data_edges
-
-    parent = list(range(len(graph.kernels)))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for a, b in colocation(graph, data_edges(graph)):
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[max(ra, rb)] = min(ra, rb)
-    ids: dict[int, int] = {}
-    return [ids.setdefault(find(k), len(ids)) for k in range(len(graph.kernels))]
 
 
 def synthetic_placement(graph: KernelGraph, devices: int, kind: str, seed: int = 0) -> list[int]:

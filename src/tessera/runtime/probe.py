@@ -21,7 +21,7 @@ the runtime's own code paths, so a simulated step can be compared with a measure
 - :func:`measure_program_times`: every kernel of a step's device programs timed as the runtime's executor
   runs it inside the step (program order, ``Executor.run_kernel`` with its argument binding, activations
   freed, messages skipped): in a step a weight is read once per micro-batch, after the rest of the segment
-  went through the caches, so these times differ from a profile's (:mod:`tessera.cost.profiler`), which
+  went through the caches, so these times differ from a profile's (:mod:`tessera.runtime.profiler`), which
   repeats each kernel on warm caches. Each device's program runs alone on a worker, then all at once: the
   difference is what workers sharing the host's cores, caches and memory cost each other.
   :func:`measure_kernel_times` does the same for a whole graph on one device.

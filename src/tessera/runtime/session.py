@@ -95,8 +95,8 @@ def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
                  log: Callable[[str], None] = lambda s: None):
     """This host's measured kernel times for the run's graphs at ``threads`` threads (cached per graph)."""
     from tessera.cost.profile import Profile
-    from tessera.cost.profiler import profile_model
     from tessera.paths import default_cache_dir
+    from tessera.runtime.profiler import profile_model
 
     merged = None
     for phase, g in graphs.items():

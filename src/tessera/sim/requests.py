@@ -1,6 +1,6 @@
 """Request level of the cluster simulator: arrivals, admission, continuous batching and state slots,
 decided by the same :class:`~tessera.sched.scheduler.Scheduler` the serving engine uses, with every step
-timed at the kernel level (:class:`~tessera.sim.steps.StepTimer`).
+timed at the kernel level (:class:`~tessera.sim.step_timer.StepTimer`).
 
 A deployment runs as replicas (engines). Each engine has its own scheduler (slots = its step plan's
 batch) and lanes: phases whose step plans use disjoint targets run concurrently (prefill-decode
@@ -31,7 +31,7 @@ from tessera.sched.scheduler import (
     Scheduler,
     stages_for,
 )
-from tessera.sim.steps import StepTimer
+from tessera.sim.step_timer import StepTimer
 from tessera.workload import ImagesWorkload, Workload, draw_requests
 
 

@@ -10,7 +10,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from tessera.capture.ptx.cli import ptx_app
+from tessera.cli.ptx import ptx_app
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "ptx"
 UNIT = FIXTURES / "unit"

@@ -9,7 +9,7 @@ import socket
 import typer
 from rich.table import Table
 
-from tessera import cli_options as opt
+from tessera.cli import options as opt
 from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
@@ -114,7 +114,7 @@ def serve(
     import uvicorn
 
     from tessera.serve.api import create_app
-    from tessera.serve.deployment import ServeConfig, start_engine
+    from tessera.serve.launch import ServeConfig, start_engine
 
     say = lambda text: _err.print(f"[dim]{text}[/]")  # noqa: E731
     engine = sock = None

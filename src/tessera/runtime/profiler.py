@@ -46,7 +46,7 @@ class ProfileTarget:
 
 def _gpu_id(name: str) -> str:
     """The canonical catalog id of a CUDA device name ("NVIDIA H200" -> "H200"); the name if unknown."""
-    from tessera.hardware.catalog import resolve_device
+    from tessera.hardware.devices import resolve_device
 
     words = re.split(r"[\s\-_]+", re.sub(r"^(NVIDIA|AMD)\s+|GeForce\s+", "", name.strip()))
     for n in range(len(words), 0, -1):  # "H100 80GB HBM3" -> "H100 80GB" -> "H100"

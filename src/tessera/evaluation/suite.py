@@ -390,7 +390,7 @@ class Suite:
         return ctx
 
     def expensive(self, pair: str) -> str:
-        from tessera.hardware.catalog import resolve_device
+        from tessera.hardware.devices import resolve_device
 
         a, b = split_pair(pair)
         return max((a, b), key=lambda d: resolve_device(d).price(self.config.prices))

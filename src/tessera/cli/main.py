@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from tessera import cli_options as opt
+from tessera.cli import options as opt
 from tessera.console import err, out, print_error
 from tessera.console import fail as _fail
 from tessera.errors import TesseraError
@@ -19,14 +19,14 @@ app = typer.Typer(help="Tessera: kernel-granularity disaggregated serving on het
 
 
 def _mount_subcommands() -> None:
-    from tessera.capture.ptx.cli import ptx_app
-    from tessera.cost.cli import register as register_cost
-    from tessera.hardware.cli import register as register_hardware
-    from tessera.plan.cli import register as register_plan
-    from tessera.runtime.cli import register as register_run
-    from tessera.serve.cli import register as register_serve
-    from tessera.sim.cli import register as register_simulate
-    from tessera.sim.evaluate_cli import register as register_evaluate
+    from tessera.cli.cost import register as register_cost
+    from tessera.cli.devices import register as register_hardware
+    from tessera.cli.evaluate import register as register_evaluate
+    from tessera.cli.plan import register as register_plan
+    from tessera.cli.ptx import ptx_app
+    from tessera.cli.run import register as register_run
+    from tessera.cli.serve import register as register_serve
+    from tessera.cli.simulate import register as register_simulate
 
     app.add_typer(ptx_app, name="ptx", help="Analyse and instrument PTX of opaque kernels.")
     register_hardware(app)
@@ -145,7 +145,7 @@ def profile(
     from tessera.capture.phases import check_phase
     from tessera.capture.steps.diffusion import parse_resolution
     from tessera.capture.steps.vlm import parse_image_size
-    from tessera.cost.profiler import check_counts, profile_model, resolve_target
+    from tessera.runtime.profiler import check_counts, profile_model, resolve_target
 
     try:
         spec = resolve_model(model)  # the model name is checked before anything else

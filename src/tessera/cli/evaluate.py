@@ -1,4 +1,4 @@
-"""`tessera evaluate`: the evaluation suite (:mod:`tessera.sim.suite`) as a markdown report with plots."""
+"""`tessera evaluate`: the evaluation suite (:mod:`tessera.evaluation.suite`) as a markdown report with plots."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def evaluate(
 ) -> None:
     """Evaluate every policy on the evaluation models, GPU pairs, clusters and networks (plan + simulate) and
     write a markdown report with plots; every GPU figure is predicted by the cost model."""
-    from tessera.report.results import write_report
-    from tessera.sim.suite import SuiteConfig, check_sections, run_suite
+    from tessera.evaluation.report import write_report
+    from tessera.evaluation.suite import SuiteConfig, check_sections, run_suite
 
     t0 = time.perf_counter()
     try:

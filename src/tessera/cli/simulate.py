@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from tessera import cli_options as opt
+from tessera.cli import options as opt
 from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
@@ -50,7 +50,7 @@ def simulate(
     against the cost model, requests batched by the serving scheduler (every figure is predicted)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tessera.plan.cli import make_context
+    from tessera.cli.plan import make_context
     from tessera.plan.deployment import DeploymentPlan, PlanFileError
     from tessera.plan.planner import plan_policy
     from tessera.plan.policies import check_policy

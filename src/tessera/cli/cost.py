@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from tessera import cli_options as opt
+from tessera.cli import options as opt
 from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
@@ -46,7 +46,7 @@ def estimate(
     from tessera.cost.options import CostOptions
     from tessera.cost.profile import Profile
     from tessera.graph.summary import summarize
-    from tessera.hardware.catalog import resolve_device
+    from tessera.hardware.devices import resolve_device
 
     try:
         spec = resolve_device(device)

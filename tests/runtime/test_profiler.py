@@ -16,9 +16,11 @@ from tessera.capture.models import tiny_config
 from tessera.capture.phases import build_model, make_step
 from tessera.capture.step import Step
 from tessera.capture.trace import trace
-from tessera.cli import app
+from tessera.cli.main import app
 from tessera.cost.profile import Profile, ProfileFormatError, kernel_signature
-from tessera.cost.profiler import (
+from tessera.program.program import single_device_program
+from tessera.runtime.executor import Executor
+from tessera.runtime.profiler import (
     ProfileError,
     _gpu_id,
     build_profile_step,
@@ -26,8 +28,6 @@ from tessera.cost.profiler import (
     profile_model,
     resolve_target,
 )
-from tessera.program.program import single_device_program
-from tessera.runtime.executor import Executor
 from tessera.weights import save_weights, unique_state
 
 runner = CliRunner()

@@ -8,7 +8,7 @@ from pathlib import Path
 from tessera.cost.features import cost_class
 from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DeploymentPlan
-from tessera.plan.steps import plan_targets
+from tessera.plan.objective_steps import plan_targets
 from tessera.report.placement import PlacementCell, plot_placement
 
 

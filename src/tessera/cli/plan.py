@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from tessera import cli_options as opt
+from tessera.cli import options as opt
 from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
@@ -70,12 +70,12 @@ def plan(
     as_json: bool = opt.JSON,
 ) -> None:
     """Plan a deployment: place every kernel on the device type that suits it (or solve a baseline policy)."""
-    from tessera.plan.figure import placement_figure
+    from tessera.plan.objective_steps import add_objective_steps
     from tessera.plan.planner import compare as compare_all
     from tessera.plan.planner import plan_policy
     from tessera.plan.policies import check_policy
     from tessera.plan.problem import OBJECTIVES
-    from tessera.plan.steps import add_objective_steps
+    from tessera.report.plan_figure import placement_figure
 
     try:
         check_policy(policy)

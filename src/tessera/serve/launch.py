@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tessera.plan.steps import LATENCY_BUCKET
+from tessera.plan.objective_steps import LATENCY_BUCKET
 from tessera.sched.scheduler import Buckets
 from tessera.serve.backend import (
     LocalBackend,
@@ -69,8 +69,8 @@ def plan_assignments(cfg: ServeConfig, workers: int, threads: int, log: Callable
     ``placement`` or the ``policy``'s plan for the throughput objective; ``latency_policy``'s plan, or else the
     same plan's latency-objective step plans (or the same synthetic placement), for the latency objective.
     ``homogeneous`` on cpu workers is every kernel on the first worker (nothing to plan)."""
+    from tessera.plan.objective_steps import add_objective_steps
     from tessera.plan.planner import plan_policy
-    from tessera.plan.steps import add_objective_steps
     from tessera.program.placements import synthetic_placement
     from tessera.runtime.session import host_profile, placements_from_plan, runtime_context, runtime_graphs
 

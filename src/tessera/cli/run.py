@@ -13,7 +13,7 @@ from pathlib import Path
 
 import typer
 
-from tessera import cli_options as opt
+from tessera.cli import options as opt
 from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.errors import TesseraError
