@@ -60,7 +60,8 @@ def main() -> None:
     from tessera.runtime.probe import measure_link, measure_round_trip
     from tessera.runtime.session import host_profile, runtime_context, runtime_graphs
     from tessera.serve.bench import run_bench
-    from tessera.serve.launch import PLAN_PROMPT, ServeConfig, start_engine
+    from tessera.serve.config import ServeConfig
+    from tessera.serve.launch import PLAN_PROMPT, start_engine
     from tessera.sim.requests import simulate
 
     torch.set_num_threads(1)

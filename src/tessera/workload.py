@@ -80,7 +80,14 @@ Workload = FixedWorkload | PoissonWorkload | ImagesWorkload
 _KEYS = {"fixed": ({"in", "out", "requests"}, {"in", "out"}),
          "poisson": ({"rate", "lengths", "requests"}, {"rate", "lengths"}),
          "images": ({"steps", "resolution", "requests"}, {"steps", "resolution"})}
-_EXAMPLES = "fixed:in=1024,out=1024,requests=192 | poisson:rate=4,lengths=FILE | images:steps=28,resolution=1024"
+DEFAULT_TEXT_WORKLOAD = "fixed:in=1024,out=1024,requests=192"
+DEFAULT_IMAGE_WORKLOAD = "images:steps=28,resolution=1024"
+_EXAMPLES = f"{DEFAULT_TEXT_WORKLOAD} | poisson:rate=4,lengths=FILE | {DEFAULT_IMAGE_WORKLOAD}"
+
+
+def default_workload(family: str) -> str:
+    """The workload planned and simulated for a model family when none is given."""
+    return DEFAULT_IMAGE_WORKLOAD if family == "diffusion" else DEFAULT_TEXT_WORKLOAD
 
 
 def _int(spec: str, key: str, value: str) -> int:

@@ -8,8 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from tessera.cli.main import app
+from tessera.evaluation.config import SECTIONS, SuiteConfig, SuiteError, check_sections, split_pair
 from tessera.evaluation.report import write_report
-from tessera.evaluation.suite import SECTIONS, SuiteConfig, SuiteError, check_sections, run_suite, split_pair
+from tessera.evaluation.suite import run_suite
 from tessera.hardware.devices import resolve_device
 
 runner = CliRunner()

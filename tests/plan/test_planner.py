@@ -11,10 +11,11 @@ from typer.testing import CliRunner
 from tessera.capture.api import trace_model
 from tessera.cli.main import app
 from tessera.hardware.cluster import Cluster, ClusterSpecError, Link, parse_cluster
+from tessera.plan.config import POLICIES, PolicyError
 from tessera.plan.context import PlanContext, PlanningError
 from tessera.plan.deployment import DeploymentPlan, PlanFileError
 from tessera.plan.planner import compare, plan_policy
-from tessera.plan.policies import POLICIES, PolicyError, applicability
+from tessera.plan.policies import applicability
 from tessera.plan.targets import TargetError, cluster_targets, link_between
 from tessera.workload import parse_workload
 

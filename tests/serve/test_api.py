@@ -55,7 +55,8 @@ class _Server:
 @pytest.fixture(scope="module")
 def servers():
     """(tessera: 2 cpu workers, alternate placement, API key; reference: the same buckets in one process)."""
-    from tessera.serve.launch import ServeConfig, start_engine
+    from tessera.serve.config import ServeConfig
+    from tessera.serve.launch import start_engine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the reference runs with the workers' thread count

@@ -9,8 +9,9 @@ import torch
 
 from tessera.sched.scheduler import Request
 from tessera.serve.backend import LocalBackend
+from tessera.serve.config import ServeConfig
 from tessera.serve.engine import GenerationParams, Histogram
-from tessera.serve.launch import ServeConfig, start_engine
+from tessera.serve.launch import start_engine
 from tessera.serve.monitor import SWITCH_LOG, Monitor
 
 

@@ -8,22 +8,17 @@ import torch
 
 from tessera.capture.build import instantiate
 from tessera.capture.models import ModelSpec, load_config, resolve_model
+from tessera.capture.shapes import (
+    DEFAULT_BATCH,
+    DEFAULT_CTX,
+    DEFAULT_IMAGE,
+    DEFAULT_RESOLUTION,
+    DEFAULT_SEQ,
+    PHASES,
+)
 from tessera.capture.step import Step
 from tessera.errors import PhaseError, ShapeError
 
-PHASES: dict[str, tuple[str, ...]] = {
-    "llm": ("prefill", "decode"),
-    "moe": ("prefill", "decode"),
-    "ssm": ("prefill", "decode"),
-    "vlm": ("encode", "prefill", "decode"),
-    "diffusion": ("encode", "step", "decode"),
-}
-
-DEFAULT_BATCH = {"prefill": 1, "decode": 8, "encode": 1, "step": 1}
-DEFAULT_SEQ = 512
-DEFAULT_CTX = 2048
-DEFAULT_IMAGE = (504, 504)
-DEFAULT_RESOLUTION = (1024, 1024)
 MAX_HOST_BUILD_BYTES = 4 * 2**30  # random-init builds on a real device beyond this are refused
 
 

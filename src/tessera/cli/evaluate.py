@@ -40,8 +40,9 @@ def evaluate(
 ) -> None:
     """Evaluate every policy on the evaluation models, GPU pairs, clusters and networks (plan + simulate) and
     write a markdown report with plots; every GPU figure is predicted by the cost model."""
+    from tessera.evaluation.config import SuiteConfig, check_sections
     from tessera.evaluation.report import write_report
-    from tessera.evaluation.suite import SuiteConfig, check_sections, run_suite
+    from tessera.evaluation.suite import run_suite
 
     t0 = time.perf_counter()
     try:

@@ -53,7 +53,7 @@ def _human(n: float, unit: str = "") -> str:
 def models(as_json: bool = typer.Option(False, "--json", help="Print the catalog as JSON.")) -> None:
     """List the model catalog (any local Hugging Face model directory works too)."""
     from tessera.capture.models import list_models
-    from tessera.capture.phases import PHASES
+    from tessera.capture.shapes import PHASES
 
     rows = [{"name": m.name, "family": m.family, "class": m.hf_class, "params": m.params, "source": m.source,
              "phases": list(PHASES[m.family])} for m in list_models()]

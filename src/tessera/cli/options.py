@@ -1,19 +1,47 @@
-"""Command-line options shared by the commands that trace a step (trace, profile, estimate, census)."""
+"""Command-line options shared by several commands; every default shown in a help text is read from the
+object that owns it (the phase shapes of `capture.phases`, `CostOptions`, the workload grammar)."""
 
 from __future__ import annotations
 
 import typer
 
+from tessera.capture.shapes import DEFAULT_BATCH, DEFAULT_CTX, DEFAULT_IMAGE, DEFAULT_RESOLUTION, DEFAULT_SEQ
+from tessera.cost.options import CostOptions
+from tessera.plan.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_LLM, POLICIES, PlanConfig
+from tessera.workload import DEFAULT_IMAGE_WORKLOAD, DEFAULT_TEXT_WORKLOAD
+
+_COST = CostOptions()
+_PLAN = PlanConfig(model="", cluster="")
+
 MODEL = typer.Argument(..., help="Catalog name (see `tessera models`) or a local HF model directory.")
 PHASE = typer.Option("decode", "--phase", "-p", help="prefill|decode (LLM, MoE, SSM); "
                      "encode|prefill|decode (VLM); encode|step|decode (diffusion).")
-BATCH = typer.Option(None, "--batch", "-b", help="Batch size (default: 1 for prefill, 8 for decode).")
-SEQ = typer.Option(None, "--seq", "-s", help="Prompt length of a prefill (default 512).")
-CTX = typer.Option(None, "--ctx", "-c", help="KV-cache capacity bucket (default 2048).")
-IMAGE = typer.Option(None, "--image", help="VLM image size WxH (default 504x504).")
-RESOLUTION = typer.Option(None, "--resolution", help="Diffusion resolution N or WxH (default 1024).")
-WEIGHTS_DTYPE = typer.Option("bf16", "--weights-dtype", help="Deployed weight dtype: bf16, fp8 or mxfp4.")
-KV_DTYPE = typer.Option("bf16", "--kv-dtype", help="Deployed KV-cache dtype: bf16 or fp8.")
-EAGER = typer.Option(False, "--eager", help="Kernels launched one by one (each pays the launch latency) "
-                     "instead of from CUDA graphs.")
+BATCH = typer.Option(None, "--batch", "-b", help=f"Batch size (default: {DEFAULT_BATCH['prefill']} for prefill, "
+                     f"{DEFAULT_BATCH['decode']} for decode).")
+SEQ = typer.Option(None, "--seq", "-s", help=f"Prompt length of a prefill (default {DEFAULT_SEQ}).")
+CTX = typer.Option(None, "--ctx", "-c", help=f"KV-cache capacity bucket (default {DEFAULT_CTX}).")
+IMAGE = typer.Option(None, "--image", help=f"VLM image size WxH (default {DEFAULT_IMAGE[0]}x{DEFAULT_IMAGE[1]}).")
+RESOLUTION = typer.Option(None, "--resolution", help="Diffusion resolution N or WxH (default "
+                          f"{DEFAULT_RESOLUTION[0]}x{DEFAULT_RESOLUTION[1]}).")
+WEIGHTS_DTYPE = typer.Option(_COST.weights_dtype, "--weights-dtype", help="Deployed weight dtype: bf16, fp8 or "
+                             "mxfp4.")
+KV_DTYPE = typer.Option(_COST.kv_dtype, "--kv-dtype", help="Deployed KV-cache dtype: bf16 or fp8.")
+EAGER = typer.Option(not _COST.cuda_graphs, "--eager", help="Kernels launched one by one (each pays the launch "
+                     "latency) instead of from CUDA graphs.")
 JSON = typer.Option(False, "--json", help="Print JSON instead of tables.")
+
+# planning and simulating a deployment (`tessera plan`, `tessera simulate`)
+CLUSTER = typer.Option(..., "--cluster", help="Devices: shorthand such as A100:1,L40S:1 or a cluster YAML file "
+                       "(see `tessera devices --cluster`).")
+WORKLOAD = typer.Option(None, "--workload", "-w", help="fixed:in=..,out=..,requests=.. | "
+                        "poisson:rate=..,lengths=azure-conv|FILE[,requests=N] | images:steps=..,resolution=.. "
+                        f"(default {DEFAULT_TEXT_WORKLOAD}; {DEFAULT_IMAGE_WORKLOAD} for diffusion).")
+POLICY = typer.Option(_PLAN.policy, "--policy", help=" | ".join(POLICIES) + ".")
+DEVICE = typer.Option(None, "--device", "-d", help="homogeneous: the device type (default: the only one).")
+PRICES = typer.Option(_PLAN.prices, "--prices", help="relative (published relative prices) or cloud_usd "
+                      "(estimated $/h).")
+ROUTING_SKEW = typer.Option(_PLAN.routing_skew, "--routing-skew", help="MoE routing skew (Zipf exponent; "
+                            "0 = uniform).")
+MAX_BATCH = typer.Option(None, "--max-batch", help=f"Most sequences (images) in flight per replica (default "
+                         f"{DEFAULT_MAX_BATCH_LLM}; {DEFAULT_MAX_BATCH['diffusion']} for diffusion; at most the "
+                         "requests of a fixed workload).")

@@ -13,78 +13,50 @@ from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
 from tessera.errors import TesseraError
+from tessera.plan.config import PlanConfig
+from tessera.plan.problem import OBJECTIVES
 
-DEFAULT_WORKLOAD = "fixed:in=1024,out=1024,requests=192"
+_PLAN = PlanConfig(model="", cluster="")
 
 
 def _ms(t: float) -> str:
     return f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"
 
 
-def make_context(model: str, cluster: str, workload: str | None, max_batch: int | None, prices: str,
-                 weights_dtype: str, kv_dtype: str, skew: float, **kwargs):
-    """The PlanContext of the shared plan / simulate options (the family's default workload when None),
-    with progress lines on stderr; clear errors for bad options."""
-    from tessera.capture.models import resolve_model
-    from tessera.cost.options import CostOptions
-    from tessera.hardware.cluster import parse_cluster
-    from tessera.plan.context import PlanContext
-    from tessera.workload import parse_workload
-
-    if prices not in ("relative", "cloud_usd"):
-        raise TesseraError(f"--prices must be relative or cloud_usd (got {prices!r})")
-    if max_batch is not None and max_batch < 1:
-        raise TesseraError(f"--max-batch must be at least 1 (got {max_batch})")
-    family = resolve_model(model).family
-    text = workload or ("images:steps=28,resolution=1024" if family == "diffusion" else DEFAULT_WORKLOAD)
-    return PlanContext(model, parse_cluster(cluster), parse_workload(text), text, max_batch,
-                       CostOptions(weights_dtype, kv_dtype), routing_skew=skew, price_scenario=prices,
-                       progress=lambda s: _err.print(f"[dim]{s}[/]"), **kwargs)
-
-
 def plan(
     model: str = opt.MODEL,
-    cluster: str = typer.Option(..., "--cluster", help="Devices: shorthand such as A100:1,L40S:1 or a cluster "
-                                "YAML file (see `tessera devices --cluster`)."),
-    workload: str = typer.Option(None, "--workload", "-w", help="fixed:in=..,out=..,requests=.. | "
-                                 "poisson:rate=..,lengths=azure-conv|FILE | images:steps=..,resolution=.. "
-                                 f"(default {DEFAULT_WORKLOAD}; images:steps=28,resolution=1024 for diffusion)."),
-    max_batch: int = typer.Option(None, "--max-batch", help="Most sequences (images) in flight per replica "
-                                  "(default 64; 4 for diffusion; at most the requests of a fixed workload)."),
-    policy: str = typer.Option("tessera", "--policy", help="homogeneous | request-dist | prefill-decode | "
-                               "attention-ffn | layer-pipeline | tessera."),
-    device: str = typer.Option(None, "--device", "-d", help="homogeneous: the device type (default: the only one)."),
-    objective: str = typer.Option("throughput", "--objective", help="throughput | latency."),
+    cluster: str = opt.CLUSTER,
+    workload: str = opt.WORKLOAD,
+    max_batch: int = opt.MAX_BATCH,
+    policy: str = opt.POLICY,
+    device: str = opt.DEVICE,
+    objective: str = typer.Option(_PLAN.objective, "--objective", help=" | ".join(OBJECTIVES) + "."),
     compare: bool = typer.Option(False, "--compare", help="Solve and list every policy."),
     output: Path = typer.Option(None, "--output", "-o", help="Write the plan (JSON) here; a placement PNG is "
                                 "written beside it (default with --compare: tessera-plan.json)."),
-    prices: str = typer.Option("relative", "--prices", help="relative (published relative prices) or "
-                               "cloud_usd (estimated $/h)."),
+    prices: str = opt.PRICES,
     weights_dtype: str = opt.WEIGHTS_DTYPE,
     kv_dtype: str = opt.KV_DTYPE,
-    skew: float = typer.Option(0.0, "--routing-skew", help="MoE routing skew (Zipf exponent; 0 = uniform)."),
+    skew: float = opt.ROUTING_SKEW,
     cache_ctx: int = typer.Option(None, "--ctx", help="Trace every phase with this KV-cache context (what "
                                   "`tessera run` uses: prompt + max tokens rounded up to 64), not the workload's."),
-    expert_split: bool = typer.Option(True, "--expert-split/--no-expert-split", help="Let Tessera split MoE "
-                                      "expert GEMMs over devices (the runtime does not execute such plans yet)."),
+    expert_split: bool = typer.Option(_PLAN.split_experts, "--expert-split/--no-expert-split", help="Let Tessera "
+                                      "split MoE expert GEMMs over devices (the runtime does not execute such plans "
+                                      "yet)."),
     as_json: bool = opt.JSON,
 ) -> None:
     """Plan a deployment: place every kernel on the device type that suits it (or solve a baseline policy)."""
+    from tessera.cost.options import CostOptions
+    from tessera.plan.context import PlanContext
     from tessera.plan.objective_steps import add_objective_steps
     from tessera.plan.planner import compare as compare_all
     from tessera.plan.planner import plan_policy
-    from tessera.plan.policies import check_policy
-    from tessera.plan.problem import OBJECTIVES
     from tessera.report.plan_figure import placement_figure
 
     try:
-        check_policy(policy)
-        if objective not in OBJECTIVES:
-            raise TesseraError(f"--objective must be one of {', '.join(OBJECTIVES)} (got {objective!r})")
-        if cache_ctx is not None and cache_ctx < 1:
-            raise TesseraError(f"--ctx must be at least 1 (got {cache_ctx})")
-        ctx = make_context(model, cluster, workload, max_batch, prices, weights_dtype, kv_dtype, skew,
-                           cache_ctx=cache_ctx, split_experts=expert_split)
+        config = PlanConfig(model, cluster, workload, policy, objective, device, max_batch, prices,
+                            CostOptions(weights_dtype, kv_dtype), skew, cache_ctx, expert_split)
+        ctx = PlanContext.from_config(config, progress=lambda s: _err.print(f"[dim]{s}[/]"))
         text, cl = ctx.workload_text, ctx.cluster
         _err.print(f"[dim]planning {model} on {cl.describe()} for {text}[/]")
         if compare:

@@ -14,45 +14,9 @@ from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
 from tessera.errors import TesseraError
+from tessera.serve.config import ServeConfig, ServeOptionError
 
-
-class ServeOptionError(TesseraError):
-    """A `tessera serve` option that cannot work."""
-
-
-def _check_options(cluster: str, port: int, slots: int, max_context: int, threads: int | None,
-                   placement: str | None, policy: str, latency_policy: str | None, beta: float, window_ms: float,
-                   cooldown_s: float, local: bool) -> None:
-    from tessera.hardware.cluster import parse_cluster
-    from tessera.plan.policies import check_policy
-    from tessera.program.placements import PLACEMENTS
-
-    cl = parse_cluster(cluster)
-    if any(d.spec.id != "cpu" for d in cl.devices):
-        raise ServeOptionError(f"tessera serve starts local cpu workers (--cluster cpu:N); {cl.describe()} has "
-                               "GPUs, which are planned and simulated (tessera plan / simulate), not run here")
-    if not 0 <= port <= 65535:
-        raise ServeOptionError(f"--port must be 0..65535 (got {port})")
-    if slots < 1:
-        raise ServeOptionError(f"--slots must be at least 1 (got {slots})")
-    if max_context < 2:
-        raise ServeOptionError(f"--max-context must be at least 2 (got {max_context})")
-    if threads is not None and threads < 1:
-        raise ServeOptionError(f"--threads must be at least 1 (got {threads})")
-    if placement is not None and placement not in PLACEMENTS:
-        raise ServeOptionError(f"--placement must be one of {', '.join(PLACEMENTS)} (got {placement!r})")
-    if not beta > 0:
-        raise ServeOptionError(f"--beta must be positive (got {beta})")
-    if not window_ms > 0:
-        raise ServeOptionError(f"--window-ms must be positive (got {window_ms})")
-    if cooldown_s < 0:
-        raise ServeOptionError(f"--cooldown-s must be 0 or more (got {cooldown_s})")
-    check_policy(policy)
-    if latency_policy is not None:
-        check_policy(latency_policy)
-    if local and placement is not None:
-        raise ServeOptionError("--local runs every step in this process; --placement places kernels on workers: "
-                               "give one of them")
+_SERVE = ServeConfig(model="")
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -83,28 +47,28 @@ def _url(sock: socket.socket) -> str:
 
 def serve(
     model: str = opt.MODEL,
-    cluster: str = typer.Option("cpu:2", "--cluster", help="Local workers: cpu:N (N processes, cores/N threads "
+    cluster: str = typer.Option(_SERVE.cluster, "--cluster", help="Local workers: cpu:N (N processes, cores/N threads "
                                 "each)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port)."),
     api_key: str = typer.Option(None, "--api-key", envvar="TESSERA_API_KEY",
                                 help="Require 'Authorization: Bearer KEY' on /v1 requests."),
-    policy: str = typer.Option("tessera", "--policy", help="The policy planned (with this host's measured kernel "
+    policy: str = typer.Option(_SERVE.policy, "--policy", help="The policy planned (with this host's measured kernel "
                                "times) for both objectives: homogeneous | request-dist | prefill-decode | "
                                "attention-ffn | layer-pipeline | tessera."),
     latency_policy: str = typer.Option(None, "--latency-policy", help="Another policy for the latency objective "
                                        "(default: --policy's own latency step plans)."),
     placement: str = typer.Option(None, "--placement", help="alternate | random: a synthetic placement for both "
                                   "objectives instead of a plan (stress tests)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of --placement random."),
-    slots: int = typer.Option(8, "--slots", help="Requests in flight at once (KV-cache rows)."),
-    max_context: int = typer.Option(512, "--max-context", help="Longest prompt + output a request may have."),
+    seed: int = typer.Option(_SERVE.seed, "--seed", help="Seed of --placement random."),
+    slots: int = typer.Option(_SERVE.slots, "--slots", help="Requests in flight at once (KV-cache rows)."),
+    max_context: int = typer.Option(_SERVE.max_context, "--max-context", help="Longest prompt + output a request may have."),
     threads: int = typer.Option(None, "--threads", help="Torch threads per worker (default cores / workers)."),
-    beta: float = typer.Option(1.5, "--beta", help="Monitor: switch to the throughput plans when mean latency / "
+    beta: float = typer.Option(_SERVE.beta, "--beta", help="Monitor: switch to the throughput plans when mean latency / "
                                "execution time reaches this."),
-    window_ms: float = typer.Option(300.0, "--window-ms", help="Monitor window in milliseconds."),
-    cooldown_s: float = typer.Option(1.0, "--cooldown-s", help="Least time between two plan switches."),
-    local: bool = typer.Option(False, "--local", help="Run every step in this process (the single-process "
+    window_ms: float = typer.Option(_SERVE.window_s * 1000, "--window-ms", help="Monitor window in milliseconds."),
+    cooldown_s: float = typer.Option(_SERVE.cooldown_s, "--cooldown-s", help="Least time between two plan switches."),
+    local: bool = typer.Option(_SERVE.local, "--local", help="Run every step in this process (the single-process "
                                "reference) instead of on workers."),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
@@ -114,17 +78,18 @@ def serve(
     import uvicorn
 
     from tessera.serve.api import create_app
-    from tessera.serve.launch import ServeConfig, start_engine
+    from tessera.serve.launch import start_engine
 
     say = lambda text: _err.print(f"[dim]{text}[/]")  # noqa: E731
     engine = sock = None
     try:
-        _check_options(cluster, port, slots, max_context, threads, placement, policy, latency_policy, beta,
-                       window_ms, cooldown_s, local)
-        sock = _listen(host, port)
         cfg = ServeConfig(model, cluster, slots=slots, max_context=max_context, policy=policy,
                           latency_policy=latency_policy, placement=placement, seed=seed, threads=threads,
                           beta=beta, window_s=window_ms / 1000, cooldown_s=cooldown_s, local=local)
+        cfg.check()
+        if not 0 <= port <= 65535:
+            raise ServeOptionError(f"--port must be 0..65535 (got {port})")
+        sock = _listen(host, port)
         engine, how = start_engine(cfg, log=say)
         say(f"placement: {how}")
     except TesseraError as e:

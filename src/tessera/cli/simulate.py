@@ -13,7 +13,10 @@ from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
 from tessera.errors import TesseraError
-from tessera.sched.scheduler import DEFAULT_MAX_CONTEXT
+from tessera.plan.config import PlanConfig
+from tessera.sim.config import SimulationConfig
+
+_SIM = SimulationConfig(PlanConfig(model="", cluster=""))
 
 
 def _s(t: float | None) -> str:
@@ -24,50 +27,34 @@ def _s(t: float | None) -> str:
 
 def simulate(
     model: str = opt.MODEL,
-    cluster: str = typer.Option(..., "--cluster", help="Devices: shorthand such as A100:1,L40S:1 or a cluster "
-                                "YAML file (see `tessera devices --cluster`)."),
-    workload: str = typer.Option(None, "--workload", "-w", help="fixed:in=..,out=..,requests=.. | "
-                                 "poisson:rate=..,lengths=azure-conv|FILE[,requests=N] | images:steps=..,"
-                                 "resolution=.. (default fixed:in=1024,out=1024,requests=192; "
-                                 "images:steps=28,resolution=1024 for diffusion)."),
-    policy: str = typer.Option("tessera", "--policy", help="homogeneous | request-dist | prefill-decode | "
-                               "attention-ffn | layer-pipeline | tessera."),
-    device: str = typer.Option(None, "--device", "-d", help="homogeneous: the device type (default: the only one)."),
+    cluster: str = opt.CLUSTER,
+    workload: str = opt.WORKLOAD,
+    policy: str = opt.POLICY,
+    device: str = opt.DEVICE,
     plan_file: Path = typer.Option(None, "--plan", help="Simulate this plan file (from `tessera plan -o`) "
                                    "instead of planning --policy."),
-    max_batch: int = typer.Option(None, "--max-batch", help="Most sequences (images) in flight per replica "
-                                  "(default 64; 4 for diffusion)."),
-    max_context: int = typer.Option(DEFAULT_MAX_CONTEXT, "--max-context", help="Longest prompt + output a "
+    max_batch: int = opt.MAX_BATCH,
+    max_context: int = typer.Option(_SIM.max_context, "--max-context", help="Longest prompt + output a "
                                     "request may have; longer ones are rejected."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the arrivals and lengths of a poisson workload."),
-    prices: str = typer.Option("relative", "--prices", help="relative or cloud_usd."),
+    seed: int = typer.Option(_SIM.seed, "--seed", help="Seed of the arrivals and lengths of a poisson workload."),
+    prices: str = opt.PRICES,
     weights_dtype: str = opt.WEIGHTS_DTYPE,
     kv_dtype: str = opt.KV_DTYPE,
-    skew: float = typer.Option(0.0, "--routing-skew", help="MoE routing skew (Zipf exponent; 0 = uniform)."),
+    skew: float = opt.ROUTING_SKEW,
     as_json: bool = opt.JSON,
 ) -> None:
     """Simulate serving a workload: the planned deployment's steps timed by running its device programs
     against the cost model, requests batched by the serving scheduler (every figure is predicted)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tessera.cli.plan import make_context
-    from tessera.plan.deployment import DeploymentPlan, PlanFileError
-    from tessera.plan.planner import plan_policy
-    from tessera.plan.policies import check_policy
+    from tessera.cost.options import CostOptions
     from tessera.sim.requests import simulate as run_simulation
 
     try:
-        check_policy(policy)
-        if max_context < 1:
-            raise TesseraError(f"--max-context must be at least 1 (got {max_context})")
-        ctx = make_context(model, cluster, workload, max_batch, prices, weights_dtype, kv_dtype, skew)
-        if plan_file is not None:
-            plan = DeploymentPlan.load(plan_file)
-            if plan.model != model:
-                raise PlanFileError(f"plan file {plan_file} is for {plan.model}, not {model}; plan {model} again")
-        else:
-            _err.print(f"[dim]planning {policy} for {model} on {ctx.cluster.describe()} ({ctx.workload_text})[/]")
-            plan = plan_policy(ctx, policy, "throughput", device)
+        config = SimulationConfig(PlanConfig(model, cluster, workload, policy, device=device, max_batch=max_batch,
+                                             prices=prices, cost=CostOptions(weights_dtype, kv_dtype),
+                                             routing_skew=skew), plan_file, max_context, seed)
+        ctx, plan = config.deployment(progress=lambda s: _err.print(f"[dim]{s}[/]"))
         with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=_err, transient=True, disable=as_json) as bar:
             task = bar.add_task("requests", total=None)

@@ -245,7 +245,8 @@ def parse_devices(text: str) -> tuple[DeviceSpec, DeviceSpec]:
 def census_phases(model: str, phases: Sequence[str] | None = None) -> tuple[str, ...]:
     """The phases a census of ``model`` covers: those given (checked, duplicates dropped), else all of its family's."""
     from tessera.capture.models import resolve_model
-    from tessera.capture.phases import PHASES, check_phase
+    from tessera.capture.phases import check_phase
+    from tessera.capture.shapes import PHASES
 
     spec = resolve_model(model)
     if not phases:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from tessera.report.plots import PlotError, save_png
 
 if TYPE_CHECKING:
-    from tessera.evaluation.suite import Case, PolicyRun, SuiteResult
+    from tessera.evaluation.records import Case, PolicyRun, SuiteResult
 
 POLICY_ORDER = ("request-dist", "prefill-decode", "attention-ffn", "layer-pipeline", "tessera")
 COLOURS = {"expensive": "#7f7f7f", "cheaper": "#c7c7c7", "request-dist": "#1f77b4", "prefill-decode": "#ff7f0e",

@@ -26,312 +26,27 @@ so every context of one model in a process shares one graph cache. No item start
 from __future__ import annotations
 
 import math
-import os
-import platform
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
 
 from tessera.errors import TesseraError
-
-SECTIONS = ("offline", "online", "clusters", "network", "two-gpus")
-MODELS = ("llama-3.1-8b", "gpt-oss-20b", "mamba-codestral-7b", "qwen2.5-vl-7b", "sd3.5-medium")
-PAIRS = ("A100+L40S", "H100+RTXPRO6000", "B200+H100")
-LLM_WORKLOAD = "fixed:in=1024,out=1024,requests=192"
-IMAGE_WORKLOAD = "images:steps=28,resolution=1024,requests=16"
-
-
-class SuiteError(TesseraError, ValueError):
-    """A suite request that cannot run: an unknown section, a bad pair or cluster, a bad setting."""
-
-
-@dataclass(frozen=True)
-class SuiteConfig:
-    """What the suite evaluates. The defaults are the full evaluation; ``quick()`` is a tiny one for tests."""
-
-    models: tuple[str, ...] = MODELS
-    pairs: tuple[str, ...] = PAIRS
-    llm_workload: str = LLM_WORKLOAD
-    image_workload: str = IMAGE_WORKLOAD
-    max_batch: int | None = None  # None: 64 sequences (4 images) in flight, at most the requests of the workload
-    online_models: tuple[str, ...] = ("llama-3.1-8b", "gpt-oss-20b", "mamba-codestral-7b", "qwen2.5-vl-7b")
-    online_pair: str = "A100+L40S"
-    online_lengths: str = "azure-conv"
-    online_requests: int = 200
-    latency_target_s: float = 0.05  # mean normalised latency (seconds per output token) a sustained rate meets
-    bisection_steps: int = 4  # after bracketing the sustained rate within a factor of 2
-    clusters: tuple[tuple[str, str], ...] = (("gpt-oss-20b", "A100:2,L40S:1"), ("qwen3-235b-a22b", "B200:8,H100:8"))
-    network_models: tuple[str, ...] = ("llama-3.1-8b", "gpt-oss-20b")
-    network_pair: str = "A100+L40S"
-    bandwidths_gbps: tuple[float, ...] = (25, 50, 100, 200, 400)
-    two_gpu_models: tuple[str, ...] | None = None  # None: ``models``
-    policies: tuple[str, ...] | None = None  # None: every policy (``tessera plan --compare``)
-    prices: str = "relative"
-    seed: int = 0
-    budget_s: float = 720.0  # no item starts after this many seconds of the suite
-
-    @classmethod
-    def quick(cls, **kw: Any) -> SuiteConfig:
-        """A tiny suite (smollm2-135m, or ``models``, in every section; one pair; small workloads; the policies
-        without a MILP search) that checks the whole pipeline in a minute or two."""
-        models = tuple(kw.pop("models", ("smollm2-135m",)))
-        base = dict(models=models, pairs=("A100+L40S",), llm_workload="fixed:in=256,out=32,requests=16",
-                    image_workload="images:steps=4,resolution=256,requests=4", max_batch=8,
-                    online_models=models, online_requests=24, bisection_steps=2,
-                    clusters=tuple((m, "A100:2,L40S:1") for m in models), network_models=models,
-                    bandwidths_gbps=(25, 400),
-                    policies=("homogeneous", "request-dist", "prefill-decode", "layer-pipeline"), budget_s=600.0)
-        base.update(kw)
-        return cls(**base)
-
-    def check(self) -> None:
-        """Clear errors for settings that cannot run (before any planning starts)."""
-        from tessera.capture.models import resolve_model
-        from tessera.hardware.cluster import parse_cluster
-        from tessera.workload import load_lengths, parse_workload
-
-        for model in {*self.models, *self.online_models, *self.network_models, *(m for m, _ in self.clusters),
-                      *(self.two_gpu_models or ())}:
-            resolve_model(model)
-        for model in self.online_models:
-            if resolve_model(model).family == "diffusion":
-                raise SuiteError(f"online: {model} serves images, not tokens; the online section is for text "
-                                 "models (its latency target is per output token)")
-        for pair in {*self.pairs, self.online_pair, self.network_pair}:
-            split_pair(pair)
-        for _, spec in self.clusters:
-            parse_cluster(spec)
-        parse_workload(self.llm_workload)
-        parse_workload(self.image_workload)
-        load_lengths(self.online_lengths)
-        if self.policies is not None:
-            from tessera.plan.policies import check_policy
-
-            if not self.policies:
-                raise SuiteError("give at least one policy")
-            for p in self.policies:
-                check_policy(p)
-        if self.prices not in ("relative", "cloud_usd"):
-            raise SuiteError(f"prices must be relative or cloud_usd (got {self.prices!r})")
-        if self.online_requests < 1:
-            raise SuiteError(f"online requests must be at least 1 (got {self.online_requests})")
-        if self.bisection_steps < 0:
-            raise SuiteError(f"bisection steps must be at least 0 (got {self.bisection_steps})")
-        if self.max_batch is not None and self.max_batch < 1:
-            raise SuiteError(f"max batch must be at least 1 (got {self.max_batch})")
-        if not self.latency_target_s > 0:
-            raise SuiteError(f"the latency target must be positive (got {self.latency_target_s} s)")
-        if not self.bandwidths_gbps or any(not b > 0 for b in self.bandwidths_gbps):
-            raise SuiteError(f"bandwidths must be positive Gb/s (got {self.bandwidths_gbps})")
-        if not self.budget_s > 0:
-            raise SuiteError(f"the time budget must be positive (got {self.budget_s} s)")
+from tessera.evaluation.config import SECTIONS, SuiteConfig, SuiteError, check_sections, split_pair
+from tessera.evaluation.records import (
+    Case,
+    NetworkCase,
+    OnlineCase,
+    OnlineRun,
+    PairVsTwo,
+    PolicyRun,
+    SuiteResult,
+    machine_info,
+)
 
 
 def _rate(x: float) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
-
-
-def split_pair(pair: str) -> tuple[str, str]:
-    """("A100", "L40S") from "A100+L40S" (canonical device ids)."""
-    from tessera.hardware.catalog import UnknownDeviceError, canonical_id
-
-    parts = [p.strip() for p in pair.split("+")]
-    if len(parts) != 2 or not all(parts):
-        raise SuiteError(f"GPU pair {pair!r}: expected TYPE+TYPE, e.g. A100+L40S")
-    try:
-        a, b = (canonical_id(p) for p in parts)
-    except UnknownDeviceError as e:
-        raise SuiteError(f"GPU pair {pair!r}: {e}") from None
-    if a == b:
-        raise SuiteError(f"GPU pair {pair!r}: the two devices must be of different types")
-    return a, b
-
-
-def check_sections(names: list[str] | None) -> tuple[str, ...]:
-    """The sections to run, in suite order (all of them for None or an empty list)."""
-    if not names:
-        return SECTIONS
-    unknown = [n for n in names if n not in SECTIONS]
-    if unknown:
-        raise SuiteError(f"unknown section {', '.join(map(repr, unknown))}; sections: {', '.join(SECTIONS)}")
-    return tuple(s for s in SECTIONS if s in names)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Results
-
-@dataclass
-class PolicyRun:
-    """One policy's plan on one cluster, and what serving the workload with it achieved (simulated).
-
-    ``status``: ok, n/a (the policy does not apply), no fit (does not fit the devices' memory), failed (the
-    simulator could not serve it; ``reason`` says why) or skipped (time budget)."""
-
-    policy: str
-    device: str | None
-    status: str
-    reason: str = ""
-    planned: float | None = None  # the planner's throughput estimate (cost model, no simulation)
-    simulated: float | None = None  # the simulated throughput (outputs over the makespan)
-    cost_per_hour: float | None = None
-    replicas: int = 1
-    ttft_p50_s: float | None = None
-    ttft_p99_s: float | None = None
-    tpot_p50_s: float | None = None
-    tpot_p99_s: float | None = None
-    norm_latency_s: float | None = None
-    completed: int = 0
-    rejected: int = 0
-    per_cost_vs_expensive: float | None = None  # (simulated / cost) over the expensive GPU alone's; offline only
-
-    @property
-    def label(self) -> str:
-        return f"{self.policy} ({self.device})" if self.device else self.policy
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @property
-    def per_cost(self) -> float | None:
-        if self.simulated is None or not self.cost_per_hour:
-            return None
-        return self.simulated / self.cost_per_hour
-
-
-@dataclass
-class Case:
-    """Every policy on one (model, cluster, workload)."""
-
-    model: str
-    cluster: str  # as given (shorthand, or a pair such as A100+L40S)
-    described: str  # the cluster's one-line description (links included)
-    workload: str
-    unit: str
-    runs: list[PolicyRun]
-    seconds: float = 0.0
-    expensive: str | None = None  # the pair's pricier device type
-
-    def run(self, policy: str, device: str | None = None) -> PolicyRun | None:
-        return next((r for r in self.runs if r.policy == policy and (device is None or r.device == device)), None)
-
-    @property
-    def tessera(self) -> PolicyRun | None:
-        return self.run("tessera")
-
-    def best(self, simulated: bool = True) -> PolicyRun | None:
-        """The run with the highest simulated (or planned) throughput."""
-        key = "simulated" if simulated else "planned"
-        ok = [r for r in self.runs if r.ok and getattr(r, key) is not None]
-        return max(ok, key=lambda r: getattr(r, key), default=None)
-
-
-@dataclass
-class OnlineRun:
-    """One policy under Poisson arrivals: the highest rate it sustains within the latency target, the
-    (rate, normalised latency) points the search simulated, and its tails at the fixed rate."""
-
-    policy: str
-    device: str | None
-    status: str
-    reason: str = ""
-    planned: float | None = None
-    sustained_rps: float | None = None  # highest rate simulated that met the target (None: not even the lowest)
-    bracket: tuple[float | None, float | None] = (None, None)  # (highest rate met, lowest rate missed)
-    samples: list[tuple[float, float]] = field(default_factory=list)  # (rate, mean normalised latency s)
-    at_fixed: dict[str, Any] | None = None  # simulate().summary() at the fixed rate
-
-    @property
-    def label(self) -> str:
-        return f"{self.policy} ({self.device})" if self.device else self.policy
-
-
-@dataclass
-class OnlineCase:
-    model: str
-    cluster: str
-    described: str
-    workload: str  # the planning workload (its rate is replaced by each simulated rate)
-    runs: list[OnlineRun]
-    fixed_rate: float | None = None
-    fixed_rate_rule: str = ""
-    mean_output: float = 0.0
-    seconds: float = 0.0
-    expensive: str | None = None
-    status: str = "ok"  # failed: the simulator cannot serve this model's requests (``reason``); runs are empty
-    reason: str = ""
-
-
-@dataclass
-class NetworkCase:
-    """One model re-planned and simulated at each inter-node bandwidth (Gb/s -> every policy's run)."""
-
-    model: str
-    pair: str
-    workload: str
-    unit: str
-    points: dict[float, list[PolicyRun]] = field(default_factory=dict)
-    skipped: list[float] = field(default_factory=list)
-    expensive: str | None = None
-
-
-@dataclass
-class PairVsTwo:
-    """A heterogeneous pair against two of its expensive GPU (homogeneous: replicas or one sharded group)."""
-
-    model: str
-    gpus: str  # the pair, e.g. A100+L40S
-    expensive: str
-    unit: str
-    two: PolicyRun | None  # homogeneous on expensive:2
-    pair: PolicyRun | None  # Tessera's plan on the pair (the best simulated one when Tessera was not planned)
-    best: PolicyRun | None  # the pair's best simulated policy
-    status: str = "ok"
-    reason: str = ""
-
-
-@dataclass
-class SuiteResult:
-    config: SuiteConfig
-    sections: tuple[str, ...]
-    machine: dict[str, str]
-    started: str
-    offline: list[Case] = field(default_factory=list)
-    online: list[OnlineCase] = field(default_factory=list)
-    clusters: list[Case] = field(default_factory=list)
-    network: list[NetworkCase] = field(default_factory=list)
-    two_gpus: list[PairVsTwo] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)  # work per section (summed over jobs); "total": wall
-    skipped: list[str] = field(default_factory=list)  # items left out for the time budget
-    jobs: int = 1
-
-    def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
-        d = asdict(self)
-        for case in d["network"]:
-            case["points"] = {f"{k:g}": v for k, v in case["points"].items()}
-        return d
-
-
-def machine_info() -> dict[str, str]:
-    """This host, as the report's header states it (the planner's solver has a time limit, so results depend
-    a little on the machine's speed)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo").read().splitlines():  # noqa: SIM115
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import numpy
-    import torch
-
-    return {"cpu": cpu, "cores": str(os.cpu_count() or 1), "python": platform.python_version(),
-            "torch": torch.__version__, "numpy": numpy.__version__, "os": f"{platform.system()} {platform.release()}"}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -383,11 +98,9 @@ class Suite:
         from tessera.workload import parse_workload
 
         cl = cluster if isinstance(cluster, Cluster) else parse_cluster(cluster)
-        ctx = PlanContext(model, cl, parse_workload(workload_text), workload_text, self.config.max_batch,
-                          CostOptions(), price_scenario=self.config.prices, progress=self.detail)
-        # traced graphs depend on the model and the step's shape only (the key holds the shape)
-        ctx._graphs = self._graphs.setdefault(model, {})
-        return ctx
+        return PlanContext(model, cl, parse_workload(workload_text), workload_text, self.config.max_batch,
+                           CostOptions(), price_scenario=self.config.prices, progress=self.detail,
+                           graphs=self._graphs.setdefault(model, {}))
 
     def expensive(self, pair: str) -> str:
         from tessera.hardware.devices import resolve_device
@@ -434,8 +147,8 @@ class Suite:
     def plans(self, ctx) -> list:
         """Every policy's plan (``tessera plan --compare``), or those of the configured policies (homogeneous
         once per device type), in the same order."""
+        from tessera.plan.config import POLICIES
         from tessera.plan.planner import compare, plan_policy
-        from tessera.plan.policies import POLICIES
 
         wanted = self.config.policies
         if wanted is None or set(wanted) == set(POLICIES):

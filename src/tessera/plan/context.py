@@ -5,6 +5,7 @@ throughput model of :mod:`tessera.plan.deployment`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,17 +18,23 @@ from tessera.cost.profile import Profile
 from tessera.errors import TesseraError
 from tessera.graph.ir import KernelGraph
 from tessera.graph.layers import LayerStructureError, layer_structure
-from tessera.hardware.cluster import Cluster
+from tessera.hardware.cluster import Cluster, parse_cluster
 from tessera.plan.build import StepProblem, build_step_problem
+from tessera.plan.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_LLM, PlanConfig
 from tessera.plan.deployment import DeploymentPlan, StateMove, StepPlan
 from tessera.plan.fold import Merged, fold_groups, merge
 from tessera.plan.problem import MICRO_BATCHES
 from tessera.plan.step_evaluation import evaluate
 from tessera.plan.targets import Target, link_between
-from tessera.workload import FixedWorkload, ImagesWorkload, PoissonWorkload, Workload
-
-DEFAULT_MAX_BATCH = {"diffusion": 4}
-DEFAULT_MAX_BATCH_LLM = 64
+from tessera.workload import (
+    DEFAULT_IMAGE_WORKLOAD,
+    DEFAULT_TEXT_WORKLOAD,
+    FixedWorkload,
+    ImagesWorkload,
+    PoissonWorkload,
+    Workload,
+    parse_workload,
+)
 
 
 class PlanningError(TesseraError):
@@ -57,8 +64,8 @@ def workload_phases(family: str, workload: Workload, max_batch: int | None) -> t
     """The phases a request goes through, the outputs per request and their unit."""
     if family == "diffusion":
         if not isinstance(workload, ImagesWorkload):
-            raise PlanningError("a diffusion model serves image requests; use a workload such as "
-                                "images:steps=28,resolution=1024")
+            raise PlanningError(f"a diffusion model serves image requests; use a workload such as "
+                                f"{DEFAULT_IMAGE_WORKLOAD}")
         b = max_batch or DEFAULT_MAX_BATCH["diffusion"]
         res = f"{workload.resolution[0]}x{workload.resolution[1]}"
         return ([PhaseSpec("encode", 1, None, None, None, 1.0, False),
@@ -66,7 +73,7 @@ def workload_phases(family: str, workload: Workload, max_batch: int | None) -> t
                  PhaseSpec("decode", 1, None, None, res, 1.0, False)], 1.0, "images/s")
     if isinstance(workload, ImagesWorkload):
         raise PlanningError(f"a {family} model serves text requests; use a workload such as "
-                            "fixed:in=1024,out=1024,requests=192 or poisson:rate=4,lengths=azure-conv")
+                            f"{DEFAULT_TEXT_WORKLOAD} or poisson:rate=4,lengths=azure-conv")
     if isinstance(workload, FixedWorkload):
         n_in, n_out = workload.input, workload.output
     else:
@@ -107,6 +114,8 @@ class PlanContext:
     micro_batches: int | None = None  # the main phase's M, fixed (the runtime's): other phases share its state
     image: str | None = None  # vision-language models: the image size "WxH" (default: the catalog's)
     single_replica: bool = False  # plans for the runtime: one copy of the model over the cluster, no replicas
+    # traced graphs by step shape; contexts of one model may share one dict (a graph depends only on its shape)
+    graphs: dict[tuple, KernelGraph] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.spec = resolve_model(self.model)
@@ -123,7 +132,6 @@ class PlanContext:
                 self.phases = [replace(p, slots=main.batch // m) if p.ctx is not None and not p.micro_batched
                                else p for p in self.phases]
         self.solve_seconds = 0.0  # spent in the placement solver so far (shared with for_batch children)
-        self._graphs: dict[tuple, KernelGraph] = {}
         self._problems: dict[tuple, StepProblem] = {}
         self._folded: dict[tuple, Merged] = {}
 
@@ -139,11 +147,20 @@ class PlanContext:
         child = PlanContext(self.model, self.cluster, self.workload, self.workload_text, batch, self.options,
                             self.profile, self.routing_skew, self.price_scenario, self.fold_chunks, self.gap,
                             self.time_limit_s, self.search_time_s, self.progress, self.cache_ctx,
-                            self.split_experts, self.micro_batches, self.image, self.single_replica)
-        child._graphs, child._problems, child._folded = self._graphs, self._problems, self._folded
+                            self.split_experts, self.micro_batches, self.image, self.single_replica, self.graphs)
+        child._problems, child._folded = self._problems, self._folded
         child._solved = self.__dict__.setdefault("_solved", {})
         child._parent = self
         return child
+
+    @classmethod
+    def from_config(cls, config: PlanConfig, progress: Callable[[str], None] | None = None) -> PlanContext:
+        """The context of a planning request (checked first; progress lines go to ``progress``)."""
+        config.check()
+        text = config.workload_text()
+        return cls(config.model, parse_cluster(config.cluster), parse_workload(text), text, config.max_batch,
+                   config.cost, routing_skew=config.routing_skew, price_scenario=config.prices, progress=progress,
+                   cache_ctx=config.cache_ctx, split_experts=config.split_experts)
 
     def add_solve_time(self, seconds: float) -> None:
         """Count solver time here and in the context this one was split from."""
@@ -190,11 +207,11 @@ class PlanContext:
 
         image = self.image if self.spec.family == "vlm" else None
         key = (phase.phase, phase.batch // micro_batches, phase.seq, phase.ctx, phase.resolution, phase.slots, image)
-        if key not in self._graphs:
+        if key not in self.graphs:
             self.say(f"tracing {self.model} {phase.phase} (batch {key[1]})")
-            self._graphs[key] = trace_model(self.model, phase.phase, batch=key[1], seq=phase.seq, ctx=phase.ctx,
+            self.graphs[key] = trace_model(self.model, phase.phase, batch=key[1], seq=phase.seq, ctx=phase.ctx,
                                             resolution=phase.resolution, slots=phase.slots, image=image)
-        return self._graphs[key]
+        return self.graphs[key]
 
     def step_problem(self, phase: PhaseSpec, targets: list[Target], micro_batches: int = 1,
                      expert_parts: int = 1) -> StepProblem:

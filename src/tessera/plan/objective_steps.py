@@ -8,11 +8,10 @@ bucket (at most ``LATENCY_BUCKET`` sequences in flight, M = 1), where the servin
 
 from __future__ import annotations
 
+from tessera.plan.config import LATENCY_BUCKET
 from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DeploymentPlan, StepPlan
 from tessera.plan.targets import Target, cluster_targets
-
-LATENCY_BUCKET = 8
 
 
 def plan_targets(ctx: PlanContext, plan: DeploymentPlan) -> list[Target]:

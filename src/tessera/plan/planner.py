@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+from tessera.plan.config import POLICIES, check_policy
 from tessera.plan.context import PlanContext, PlanningError
 from tessera.plan.deployment import DeploymentPlan
 from tessera.plan.milp import SolverError
 from tessera.plan.policies import (
-    POLICIES,
     applicability,
     attention_ffn,
-    check_policy,
     homogeneous,
     layer_pipeline,
     prefill_decode,

@@ -27,6 +27,7 @@ import numpy as np
 from tessera.cost.features import block_of
 from tessera.errors import TesseraError
 from tessera.graph.layers import layer_structure
+from tessera.plan.config import PolicyError
 from tessera.plan.context import PhaseSpec, PlanContext, PlanningError
 from tessera.plan.deployment import DeploymentPlan
 from tessera.plan.fold import layer_groups, merge
@@ -35,7 +36,6 @@ from tessera.plan.problem import PlacementProblem
 from tessera.plan.step_evaluation import evaluate
 from tessera.plan.targets import Target, cluster_targets
 
-POLICIES = ("homogeneous", "request-dist", "prefill-decode", "attention-ffn", "layer-pipeline", "tessera")
 NOT_APPLICABLE = {
     ("prefill-decode", "diffusion"): "a diffusion model has no prefill and decode phases",
     ("attention-ffn", "ssm"): "an SSM has no attention kernels to separate from its MLP",
@@ -47,17 +47,6 @@ EXPERT_PARTS = 2  # expert groups per grouped GEMM when Tessera splits an MoE la
 OTHER_PHASE_TIME_SHARE = 0.3  # of a step solve's time limit for the phases a request needs once (prefill)
 
 Chosen = list[tuple[PhaseSpec, int, tuple[int, ...], dict]]
-
-
-class PolicyError(TesseraError, ValueError):
-    """An unknown policy, or a device that the cluster does not have."""
-
-
-def check_policy(policy: str) -> str:
-    """The policy name, checked against the list."""
-    if policy not in POLICIES:
-        raise PolicyError(f"unknown policy {policy!r}; policies: {', '.join(POLICIES)}")
-    return policy
 
 
 def applicability(ctx: PlanContext, policy: str) -> str | None:

@@ -10,19 +10,15 @@ from pathlib import Path
 
 import torch
 
-from tessera.errors import TesseraError
 from tessera.graph.ir import KernelGraph
 from tessera.plan.deployment import DeploymentPlan, PlanFileError
 from tessera.program.placements import PLACEMENTS, synthetic_placement
+from tessera.runtime.config import RunSetupError
 from tessera.runtime.distributed import DistributedRunner
 
 CTX_BUCKET = 64  # the KV cache is sized to prompt + new tokens rounded up to this
 TEXT_FAMILIES = ("llm", "moe", "ssm")
 PROFILE_WARMUP, PROFILE_REPEATS = 1, 3
-
-
-class RunSetupError(TesseraError):
-    """A run that cannot be set up as asked (model, plan, placement, sampling)."""
 
 
 def cache_context(prompt_tokens: int, max_tokens: int) -> int:

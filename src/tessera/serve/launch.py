@@ -1,13 +1,11 @@
-"""Setting up a served deployment on local cpu workers: the tokenizer, the bucket graphs, each
-objective's placements (from a policy planned with this host's measured kernel times, or a synthetic
-placement), the worker pool and the engine."""
+"""Starting a served deployment from a `ServeConfig` on local cpu workers: the tokenizer, the bucket
+graphs, each objective's placements (from a policy planned with this host's measured kernel times, or a
+synthetic placement), the worker pool and the engine."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from tessera.plan.objective_steps import LATENCY_BUCKET
 from tessera.sched.scheduler import Buckets
 from tessera.serve.backend import (
     LocalBackend,
@@ -17,33 +15,11 @@ from tessera.serve.backend import (
     bucket_graphs,
     objective_placements,
 )
+from tessera.serve.config import ServeConfig
 from tessera.serve.engine import Engine
 from tessera.serve.monitor import Monitor
 
 PLAN_PROMPT = 64  # prompt length the placements are planned for (every prompt bucket has the same kernels)
-
-
-@dataclass
-class ServeConfig:
-    """What to serve and how: the model, ``cpu:N`` workers, slots (rows in flight), the longest context,
-    where kernels run (a policy, optionally another for the latency plans, or a synthetic placement) and the
-    monitor's settings."""
-
-    model: str
-    cluster: str = "cpu:2"
-    slots: int = 8
-    max_context: int = 512
-    min_prompt_bucket: int = 16
-    policy: str = "tessera"
-    latency_policy: str | None = None  # default: the policy's own latency-objective step plans
-    placement: str | None = None  # alternate | random: a synthetic placement for both objectives
-    seed: int = 0
-    threads: int | None = None
-    latency_rows: int = LATENCY_BUCKET  # requests in flight while the latency plans are active
-    beta: float = 1.5
-    window_s: float = 0.3
-    cooldown_s: float = 1.0
-    local: bool = False  # run every step in this process (the single-process reference)
 
 
 def _tokenizer(model: str):

@@ -1,0 +1,74 @@
+"""What a planning request asks for, checked: the model, the cluster, the workload (the family's default
+when none), the policy and objective, and the cost and pricing options; with the names and defaults the
+planner accepts. `PlanContext.from_config` turns a request into the context it plans in.
+
+`tessera plan` and `tessera simulate` only parse their options into a `PlanConfig`, and their help texts
+show its defaults, so this module imports nothing heavy (the CLI reads it at start-up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.cost.options import CostOptions
+from tessera.errors import TesseraError
+from tessera.plan.problem import OBJECTIVES
+from tessera.workload import default_workload
+
+POLICIES = ("homogeneous", "request-dist", "prefill-decode", "attention-ffn", "layer-pipeline", "tessera")
+PRICE_SCENARIOS = ("relative", "cloud_usd")
+DEFAULT_MAX_BATCH_LLM = 64  # sequences in flight per replica
+DEFAULT_MAX_BATCH = {"diffusion": 4}  # images in flight per replica, by family where it differs
+LATENCY_BUCKET = 8  # sequences in flight under the latency objective's step plans
+
+
+class PlanConfigError(TesseraError):
+    """A planning option that cannot work (the message names the option and what it accepts)."""
+
+
+class PolicyError(TesseraError, ValueError):
+    """An unknown policy, or a device that the cluster does not have."""
+
+
+def check_policy(policy: str) -> str:
+    """The policy name, checked against the list."""
+    if policy not in POLICIES:
+        raise PolicyError(f"unknown policy {policy!r}; policies: {', '.join(POLICIES)}")
+    return policy
+
+
+@dataclass
+class PlanConfig:
+    """One planning request. ``workload`` None is the model family's default workload; ``cache_ctx`` traces
+    every phase at that KV-cache context (the runtime's) instead of the workload's."""
+
+    model: str
+    cluster: str
+    workload: str | None = None
+    policy: str = "tessera"
+    objective: str = "throughput"
+    device: str | None = None  # homogeneous: the device type
+    max_batch: int | None = None
+    prices: str = "relative"
+    cost: CostOptions = field(default_factory=CostOptions)
+    routing_skew: float = 0.0
+    cache_ctx: int | None = None
+    split_experts: bool = True
+
+    def check(self) -> None:
+        """Raise `PlanConfigError` (or `PolicyError`) for an option that cannot work."""
+        check_policy(self.policy)
+        if self.objective not in OBJECTIVES:
+            raise PlanConfigError(f"--objective must be one of {', '.join(OBJECTIVES)} (got {self.objective!r})")
+        if self.prices not in PRICE_SCENARIOS:
+            raise PlanConfigError(f"--prices must be relative or cloud_usd (got {self.prices!r})")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise PlanConfigError(f"--max-batch must be at least 1 (got {self.max_batch})")
+        if self.cache_ctx is not None and self.cache_ctx < 1:
+            raise PlanConfigError(f"--ctx must be at least 1 (got {self.cache_ctx})")
+
+    def workload_text(self) -> str:
+        """The workload asked for, or the model family's default."""
+        from tessera.capture.models import resolve_model  # on use: the catalog reads every config
+
+        return self.workload or default_workload(resolve_model(self.model).family)

@@ -1,0 +1,154 @@
+"""Starting a generation run on local (or torchrun) cpu workers from a checked `RunConfig`: the prompt's
+tokens, the run's graphs, where their kernels go (a plan file, a policy planned with this host's measured
+kernel times, or a synthetic placement), the worker pool and the `DistributedRunner`; and the check of a
+finished run against a single-process eager one. `tessera run` only parses its options into a `RunConfig`.
+
+Under torchrun rank 0 drives (`attach_torchrun`) and ranks 1..N serve as workers (`serve_torchrun_worker`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.capture.models import resolve_model
+from tessera.capture.pretrained import weights_dir
+from tessera.cost.profile import Profile
+from tessera.graph.ir import KernelGraph
+from tessera.runtime.config import RunConfig, RunSetupError
+from tessera.runtime.distributed import DistributedRunner
+from tessera.runtime.generate import generate
+from tessera.runtime.pool import RuntimeSetupError, WorkerPool
+from tessera.runtime.session import (
+    RunPlacement,
+    cache_context,
+    host_profile,
+    plan_file_placement,
+    policy_placement,
+    runtime_graphs,
+    synthetic,
+    weight_files,
+)
+
+
+@dataclass
+class Run:
+    """A started run: its tokenizer and prompt ids, cache context, graphs, placement and runner (close the
+    pool when done)."""
+
+    config: RunConfig
+    tokenizer: Any
+    ids: list[int]
+    ctx: int
+    threads: int
+    graphs: dict[str, KernelGraph]
+    placement: RunPlacement
+    pool: WorkerPool
+    runner: DistributedRunner
+
+    @property
+    def workers(self) -> int:
+        return len(self.pool.devices)
+
+    def generate(self, emit: Callable[[int], None] | None = None) -> list[int]:
+        """Generate up to ``max_tokens`` new tokens on the workers (``emit`` is called with each)."""
+        from tessera.runtime.session import distributed_runner_fn
+
+        return generate(distributed_runner_fn(self.runner), self.ids, self.config.max_tokens,
+                        self.tokenizer.eos_token_id, self.config.sampling(), emit)
+
+
+def _placement(config: RunConfig, graphs: dict[str, KernelGraph], workers: int, threads: int,
+               say: Callable[[str], None]) -> RunPlacement:
+    if config.placement is not None:
+        return synthetic(graphs, workers, config.placement, config.seed)
+    profile = None
+    if config.profile_file is not None:
+        profile = Profile.load(config.profile_file)
+    elif ((config.plan_file is None and config.policy != "homogeneous")
+          or (config.plan_file is not None and config.on_failure == "replan")):
+        profile = host_profile(config.model, graphs, threads, say)
+    if config.plan_file is not None:
+        return plan_file_placement(config.plan_file, graphs, workers, config.model, config.max_tokens, profile, say)
+    return policy_placement(config.model, graphs, workers, config.policy or "tessera", config.max_tokens, profile,
+                            config.device, say)
+
+
+def start_run(config: RunConfig, prompt: str, say: Callable[[str], None], log: Callable[[str], None],
+              torchrun_driver: bool = False) -> Run:
+    """Check ``config``, tokenise ``prompt``, trace and place the run's graphs, start the workers (local
+    processes, or attach to torchrun's ranks) and their runner. ``say`` gets progress lines, ``log`` the
+    runner's own (lost workers, re-plans)."""
+    from transformers import AutoTokenizer
+
+    cluster = config.check()
+    workers = len(cluster.devices)
+    threads = config.threads or cluster.devices[0].spec.threads or 1
+    spec = resolve_model(config.model)
+    files = weight_files(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(weights_dir(spec)))
+    ids = tokenizer(prompt).input_ids
+    if not ids:
+        raise RunSetupError("the prompt is empty after tokenisation")
+    ctx = cache_context(len(ids), config.max_tokens)
+    say(f"tracing {config.model}: prefill {len(ids)} tokens, decode, cache {ctx}")
+    graphs = runtime_graphs(config.model, len(ids), ctx)
+    chosen = _placement(config, graphs, workers, threads, say)
+    say(f"placement: {chosen.how}")
+    say(f"starting {workers} workers ({threads} thread{'s' if threads != 1 else ''} each)")
+    pool = attach_torchrun(workers, threads) if torchrun_driver else WorkerPool.local(workers, threads,
+                                                                                       backend=config.backend)
+    try:
+        runner = DistributedRunner(pool, graphs, chosen.placements, chosen.micro_batches, weights_path=files,
+                                   on_failure=config.on_failure, replan=chosen.replan, log=log)
+    except BaseException:
+        pool.close()
+        raise
+    return Run(config, tokenizer, ids, ctx, threads, graphs, chosen, pool, runner)
+
+
+def eager_tokens(run: Run) -> list[int]:
+    """The tokens a single-process eager run generates at the same shapes, threads and sampling."""
+    import torch
+
+    from tessera.capture.eager import EagerRunner
+    from tessera.capture.pretrained import load_pretrained
+
+    spec, module, values = load_pretrained(run.config.model)
+    before = torch.get_num_threads()
+    torch.set_num_threads(run.threads)
+    try:
+        return generate(EagerRunner(spec, module, values, slots=1, ctx=run.ctx), run.ids, run.config.max_tokens,
+                        run.tokenizer.eos_token_id, run.config.sampling())
+    finally:
+        torch.set_num_threads(before)
+
+
+def torchrun_rank() -> int | None:
+    """This process's torchrun rank, or None outside torchrun."""
+    return int(os.environ["RANK"]) if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ else None
+
+
+def attach_torchrun(workers: int, threads: int) -> WorkerPool:
+    """Rank 0's pool over torchrun's ranks 1..N (checked against the cluster's worker count)."""
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    if world - 1 != workers:
+        raise RuntimeSetupError(f"torchrun started {world} processes: rank 0 drives and {world - 1} work, but "
+                                f"--cluster has {workers} workers")
+    store, _, _ = next(dist.rendezvous("env://"))
+    return WorkerPool.attach(store, workers, threads, [f"cpu:{w}" for w in range(workers)])
+
+
+def serve_torchrun_worker(rank: int, threads: int | None) -> None:
+    """Serve as worker ``rank - 1`` of a torchrun job until the driver closes it."""
+    import torch.distributed as dist
+
+    from tessera.runtime.worker import WorkerConfig, worker_main
+
+    store, _, world = next(dist.rendezvous("env://"))
+    n = threads or max(1, (os.cpu_count() or 1) // max(1, world - 1))
+    worker_main(WorkerConfig(rank - 1, os.environ.get("MASTER_ADDR", ""), 0, n), store)

@@ -1,0 +1,69 @@
+"""What a served deployment asks for, checked: the model, ``cpu:N`` workers, slots and context, where
+kernels run for each objective, and the monitor's settings. `tessera serve` only parses its options into
+a `ServeConfig` and shows its defaults, so this module imports nothing heavy (the CLI reads it at
+start-up); `tessera.serve.launch.start_engine` starts a deployment from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.errors import TesseraError
+from tessera.plan.config import LATENCY_BUCKET, check_policy
+
+
+class ServeOptionError(TesseraError):
+    """A `tessera serve` option that cannot work."""
+
+
+@dataclass
+class ServeConfig:
+    """What to serve and how: the model, ``cpu:N`` workers, slots (rows in flight), the longest context,
+    where kernels run (a policy, optionally another for the latency plans, or a synthetic placement) and the
+    monitor's settings."""
+
+    model: str
+    cluster: str = "cpu:2"
+    slots: int = 8
+    max_context: int = 512
+    min_prompt_bucket: int = 16
+    policy: str = "tessera"
+    latency_policy: str | None = None  # default: the policy's own latency-objective step plans
+    placement: str | None = None  # alternate | random: a synthetic placement for both objectives
+    seed: int = 0
+    threads: int | None = None
+    latency_rows: int = LATENCY_BUCKET  # requests in flight while the latency plans are active
+    beta: float = 1.5
+    window_s: float = 0.3
+    cooldown_s: float = 1.0
+    local: bool = False  # run every step in this process (the single-process reference)
+
+    def check(self) -> None:
+        """Raise `ServeOptionError` (or the policy's own error) for an option that cannot work."""
+        from tessera.hardware.cluster import parse_cluster
+        from tessera.program.placements import PLACEMENTS  # on use: it imports torch
+
+        cluster = parse_cluster(self.cluster)
+        if any(d.spec.id != "cpu" for d in cluster.devices):
+            raise ServeOptionError(f"tessera serve starts local cpu workers (--cluster cpu:N); {cluster.describe()} "
+                                   "has GPUs, which are planned and simulated (tessera plan / simulate), not run "
+                                   "here")
+        if self.slots < 1:
+            raise ServeOptionError(f"--slots must be at least 1 (got {self.slots})")
+        if self.max_context < 2:
+            raise ServeOptionError(f"--max-context must be at least 2 (got {self.max_context})")
+        if self.threads is not None and self.threads < 1:
+            raise ServeOptionError(f"--threads must be at least 1 (got {self.threads})")
+        if self.placement is not None and self.placement not in PLACEMENTS:
+            raise ServeOptionError(f"--placement must be one of {', '.join(PLACEMENTS)} (got {self.placement!r})")
+        if not self.beta > 0:
+            raise ServeOptionError(f"--beta must be positive (got {self.beta})")
+        if not self.window_s > 0:
+            raise ServeOptionError(f"--window-ms must be positive (got {self.window_s * 1000:g})")
+        if self.cooldown_s < 0:
+            raise ServeOptionError(f"--cooldown-s must be 0 or more (got {self.cooldown_s})")
+        check_policy(self.policy)
+        if self.latency_policy is not None:
+            check_policy(self.latency_policy)
+        if self.local and self.placement is not None:
+            raise ServeOptionError("--local runs every step in this process; --placement places kernels on "
+                                   "workers: give one of them")
