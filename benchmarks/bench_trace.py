@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from tessera.capture.models import resolve_model
-from tessera.capture.phases import build_modules, check_phase, load_config, resolve_shape, step_for
+from tessera.capture.models import load_config, resolve_model
+from tessera.capture.phases import build_modules, check_phase, resolve_shape, step_for
 from tessera.capture.trace import trace
 
 CASES = [

@@ -17,7 +17,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from tessera.capture.models import smollm2_dir
+    from tessera.capture.smollm2 import smollm2_dir
 
     return smollm2_dir()
 

@@ -7,14 +7,15 @@ import time
 import pytest
 import torch
 
-from tessera.capture.models import load_config, resolve_model, tiny_config
-from tessera.capture.steps.diffusion import (
+from tessera.capture.families.diffusion import (
     CLIP_LEN,
     DIFFUSION_PHASES,
     build_sd3_components,
     diffusion_step,
     parse_resolution,
 )
+from tessera.capture.models import load_config, resolve_model
+from tessera.capture.tiny import tiny_config
 from tessera.capture.trace import trace
 from tessera.program.program import single_device_program
 from tessera.runtime.executor import Executor

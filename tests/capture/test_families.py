@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from tessera.capture.build import instantiate
-from tessera.capture.models import resolve_model, tiny_config
+from tessera.capture.models import resolve_model
 from tessera.capture.phases import StepShape, build_model, step_for
 from tessera.capture.shapes import PHASES
+from tessera.capture.tiny import tiny_config
 from tessera.capture.trace import trace
 from tessera.program.program import single_device_program
 from tessera.runtime.executor import Executor

@@ -8,10 +8,11 @@ import triton
 import triton.language as tl
 
 from tessera.capture.build import instantiate
-from tessera.capture.models import resolve_model, tiny_config
+from tessera.capture.models import resolve_model
 from tessera.capture.opaque import SchemaMismatchWarning, register_triton_op
 from tessera.capture.phases import StepShape, build_model, step_for
 from tessera.capture.step import Step
+from tessera.capture.tiny import tiny_config
 from tessera.capture.trace import trace
 from tessera.program.program import single_device_program
 from tessera.runtime.executor import Executor

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from tessera.capture.build import instantiate
-from tessera.capture.models import tiny_config
-from tessera.capture.steps.vlm import (
+from tessera.capture.families.vlm import (
     build_vlm,
     image_grid,
     parse_image_size,
     vlm_step,
 )
+from tessera.capture.tiny import tiny_config
 from tessera.capture.trace import trace
 from tessera.program.program import single_device_program
 from tessera.runtime.executor import Executor

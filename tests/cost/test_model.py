@@ -196,7 +196,7 @@ def test_estimate_cli_table_and_errors():
 
 
 def test_calibrate_fits_host_factors_that_estimate_uses(tmp_path, monkeypatch):
-    from tessera.capture.models import tiny_config
+    from tessera.capture.tiny import tiny_config
     from tessera.cost.efficiency import host_factors_file, load_factors
 
     monkeypatch.setenv("TESSERA_CACHE", str(tmp_path / "cache"))

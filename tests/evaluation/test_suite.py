@@ -19,7 +19,7 @@ POLICIES = ("homogeneous", "prefill-decode", "attention-ffn", "layer-pipeline") 
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    from tessera.capture.models import tiny_config
+    from tessera.capture.tiny import tiny_config
 
     root = tmp_path_factory.mktemp("models")
     paths = {}

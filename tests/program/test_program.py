@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from tessera.capture.build import instantiate
-from tessera.capture.models import resolve_model, tiny_config
+from tessera.capture.models import resolve_model
 from tessera.capture.phases import StepShape, build_model, step_for
 from tessera.capture.step import Step
+from tessera.capture.tiny import tiny_config
 from tessera.capture.trace import trace
 from tessera.graph.dataflow import colocation_units
 from tessera.program.placements import synthetic_placement

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.capture.models import tiny_config
 from tessera.capture.phases import make_step
+from tessera.capture.tiny import tiny_config
 from tessera.graph.ir import KernelGraph
 from tessera.plan.planner import plan_policy
 from tessera.program.placements import synthetic_placement

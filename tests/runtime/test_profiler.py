@@ -12,9 +12,9 @@ import torch
 from typer.testing import CliRunner
 
 from tessera.capture.build import instantiate
-from tessera.capture.models import tiny_config
 from tessera.capture.phases import build_model, make_step
 from tessera.capture.step import Step
+from tessera.capture.tiny import tiny_config
 from tessera.capture.trace import trace
 from tessera.cli.main import app
 from tessera.cost.profile import Profile, ProfileFormatError, kernel_signature

@@ -91,8 +91,9 @@ def test_micro_batches_pipeline_but_never_beat_the_busiest_device():
 @pytest.mark.parametrize("kind,seed", [("alternate", 0), ("random", 4)])
 def test_bounds_hold_on_a_traced_model(kind, seed):
     from tessera.capture.build import instantiate
-    from tessera.capture.models import resolve_model, tiny_config
+    from tessera.capture.models import resolve_model
     from tessera.capture.phases import StepShape, build_model, step_for
+    from tessera.capture.tiny import tiny_config
 
     meta, values = instantiate(lambda: build_model("llm", tiny_config("llm")), "meta")
     g = trace(step_for(resolve_model("smollm2-135m"), meta, values, "decode", StepShape(batch=2, seq=1, ctx=16)))

@@ -12,8 +12,8 @@ def trace_model(model: str, phase: str, *, batch: int | None = None, seq: int | 
                 ctx: int | None = None, image: str | None = None, resolution: str | None = None,
                 device: str = "meta", slots: int | None = None) -> KernelGraph:
     """Trace one step of ``model`` (catalog name or local HF directory); image is 'WxH', resolution 'N' or 'WxH'."""
-    from tessera.capture.steps.diffusion import parse_resolution
-    from tessera.capture.steps.vlm import parse_image_size
+    from tessera.capture.families.diffusion import parse_resolution
+    from tessera.capture.families.vlm import parse_image_size
     from tessera.capture.trace import trace
 
     spec = resolve_model(model)  # the model name is checked before anything else

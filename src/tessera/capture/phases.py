@@ -75,7 +75,7 @@ def build_modules(spec: ModelSpec, device: str = "meta", dtype: torch.dtype = to
                   config=None):
     """The model's modules (one root, or a pipeline's components) and their constants' host values."""
     if spec.family == "diffusion":
-        from tessera.capture.steps.diffusion import build_sd3_components
+        from tessera.capture.families.diffusion import build_sd3_components
 
         configs = {c: load_config(spec, c) for c in spec.components if c != "scheduler"}
         return build_sd3_components(configs, device=device, dtype=dtype, seed=seed)
@@ -86,15 +86,15 @@ def build_modules(spec: ModelSpec, device: str = "meta", dtype: torch.dtype = to
 def build_model(family: str, config, dtype: torch.dtype = torch.bfloat16):
     """A transformers model of ``family`` for ``config``, wired to Tessera's kernels."""
     if family in ("llm", "moe"):
-        from tessera.capture.steps.llm import build_causal_lm
+        from tessera.capture.families.llm import build_causal_lm
 
         return build_causal_lm(config, dtype)
     if family == "ssm":
-        from tessera.capture.steps.ssm import build_mamba2
+        from tessera.capture.families.ssm import build_mamba2
 
         return build_mamba2(config, dtype)
     if family == "vlm":
-        from tessera.capture.steps.vlm import build_vlm
+        from tessera.capture.families.vlm import build_vlm
 
         return build_vlm(config, dtype)
     raise PhaseError(f"family {family!r} has no single-model builder")
@@ -107,21 +107,21 @@ def step_for(spec: ModelSpec, modules, constant_values, phase: str, shape: StepS
     check_phase(spec, phase)
     common = dict(model_name=spec.name, phase=phase, batch=shape.batch, device=device, inputs=inputs)
     if spec.family in ("llm", "moe"):
-        from tessera.capture.steps.llm import llm_step
+        from tessera.capture.families.llm import llm_step
 
         return llm_step(modules, constant_values, family=spec.family, seq=shape.seq, ctx=shape.ctx, state=state,
                         slots=shape.slots, **common)
     if spec.family == "ssm":
-        from tessera.capture.steps.ssm import ssm_step
+        from tessera.capture.families.ssm import ssm_step
 
         return ssm_step(modules, constant_values, seq=shape.seq, ctx=shape.ctx, state=state, slots=shape.slots,
                         **common)
     if spec.family == "vlm":
-        from tessera.capture.steps.vlm import vlm_step
+        from tessera.capture.families.vlm import vlm_step
 
         return vlm_step(modules, constant_values, seq=shape.seq, ctx=shape.ctx, image=shape.image, state=state,
                         slots=shape.slots, **common)
-    from tessera.capture.steps.diffusion import diffusion_step
+    from tessera.capture.families.diffusion import diffusion_step
 
     return diffusion_step(modules, constant_values, resolution=shape.resolution, **common)
 

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from tessera.capture.build import instantiate
-from tessera.capture.models import ModelSpec, load_config, resolve_model, smollm2_dir
+from tessera.capture.models import ModelSpec, load_config, resolve_model
 from tessera.capture.phases import build_model
+from tessera.capture.smollm2 import smollm2_dir
 from tessera.errors import TesseraError
 from tessera.weights import load_weights
 

@@ -141,10 +141,10 @@ def profile(
     """Time every kernel of one model step on a real device and write the profile."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from tessera.capture.families.diffusion import parse_resolution
+    from tessera.capture.families.vlm import parse_image_size
     from tessera.capture.models import resolve_model
     from tessera.capture.phases import check_phase
-    from tessera.capture.steps.diffusion import parse_resolution
-    from tessera.capture.steps.vlm import parse_image_size
     from tessera.runtime.profiler import check_counts, profile_model, resolve_target
 
     try:

@@ -92,7 +92,7 @@ def ssm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mode
     """A Mamba2 prefill step (``input_ids`` [B,S], ``slots``) or decode step (``input_ids`` [B,1],
     ``positions`` [B], ``slots``); outputs the last position's logits. State size does not depend on
     the context length; ``ctx`` is kept for the shared bucket grammar."""
-    from tessera.capture.steps.llm import llm_inputs, step_meta
+    from tessera.capture.families.llm import llm_inputs, step_meta
 
     if phase not in ("prefill", "decode"):
         raise PhaseError(f"phase {phase!r} is not a phase of an SSM (use prefill or decode)")

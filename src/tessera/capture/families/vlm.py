@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tessera.capture.families.llm import kv_of, new_kv_cache, step_meta
 from tessera.capture.ops import StepContext, register_hf_hooks, step_context
 from tessera.capture.step import Step
-from tessera.capture.steps.llm import kv_of, new_kv_cache, step_meta
 from tessera.errors import PhaseError, ShapeError
 
 VLM_PHASES = ("encode", "prefill", "decode")
