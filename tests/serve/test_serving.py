@@ -22,7 +22,8 @@ CONTEXT = 64
 
 @pytest.fixture(scope="module")
 def engine():
-    from tessera.serve.deployment import ServeConfig, start_engine
+    from tessera.serve.config import ServeConfig
+    from tessera.serve.launch import start_engine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
