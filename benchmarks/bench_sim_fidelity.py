@@ -178,7 +178,6 @@ def main() -> None:
     from tessera.runtime.distributed import DistributedRunner
     from tessera.runtime.pool import WorkerPool
     from tessera.runtime.probe import (
-        PoolModel,
         ProgramTimes,
         measure_kernel_times,
         measure_link,
@@ -193,6 +192,7 @@ def main() -> None:
         synthetic,
         weight_files,
     )
+    from tessera.sim.pool_model import PoolModel
     from tessera.sim.programs import MessageCosts
 
     steps = args.steps or (4 if args.quick else 10)

@@ -15,7 +15,6 @@ import torch
 from tessera.graph.dataflow import colocation_units
 from tessera.runtime.distributed import DistributedRunner
 from tessera.runtime.probe import (
-    PoolModel,
     measure_link,
     measure_messages,
     measure_program_times,
@@ -23,6 +22,7 @@ from tessera.runtime.probe import (
     measure_sends,
 )
 from tessera.runtime.session import runtime_graphs, synthetic, weight_files
+from tessera.sim.pool_model import PoolModel
 from tessera.sim.programs import MessageCosts
 
 MODEL = "smollm2-135m"

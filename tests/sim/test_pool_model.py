@@ -7,7 +7,8 @@ import pytest
 
 from tessera.hardware.cluster import Link
 from tessera.program.program import build_programs
-from tessera.runtime.probe import PoolModel, ProbeError, ProgramTimes, classify_sends, measure_program_times
+from tessera.runtime.probe import ProbeError, ProgramTimes, classify_sends, measure_program_times
+from tessera.sim.pool_model import PoolModel
 from tessera.sim.programs import MessageCosts
 from tests.sim.test_programs import _chain
 

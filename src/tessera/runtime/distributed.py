@@ -15,13 +15,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from tessera.errors import TesseraError
 from tessera.graph.ir import KernelGraph
 from tessera.program.program import StepPrograms, build_programs
+from tessera.runtime.commands import Connect, GetState, Job, Load, Move, PhaseLoad, SetState, StateMove, Step
 from tessera.runtime.pool import WorkerFailed, WorkerLost, WorkerPool
 
 # placements for n devices: phase -> kernel -> device index
@@ -104,20 +104,18 @@ class DistributedRunner:
             for phase, g in self.graphs.items()}
         self.placements = {p: list(a) for p, a in placements.items()}
         self.pool.epoch += 1  # a fresh process group each time (never reused: its store keys are spent)
-        self.pool.call({w: {"op": "connect", "epoch": self.pool.epoch, "members": members} for w in members},
-                       self.step_timeout_s)
+        self.pool.call({w: Connect(self.pool.epoch, members) for w in members}, self.step_timeout_s)
         self.holder = {ph: sp.state_holder() for ph, sp in self.programs.items()}
         loads = {}
         for rank, w in enumerate(members):
-            phases = {ph: {"graph": self.graphs[ph], "program": sp.programs[rank], "transfers": sp.transfers}
+            phases = {ph: PhaseLoad(self.graphs[ph], sp.programs[rank], sp.transfers)
                       for ph, sp in self.programs.items()}
             weights = None
             if self.weights is not None:  # only what this worker's kernels read travels to it
                 names = {n for sp in self.programs.values() for n in sp.programs[rank].weights}
                 names |= {a for g in self.graphs.values() for n in names if n in g.buffers for a in g.buffers[n].aliases}
                 weights = {n: t for n, t in self.weights.items() if n in names}
-            loads[w] = {"op": "load", "phases": phases, "weights_path": self.weights_path,
-                        "weights": weights, "state_instances": self.state_instances}
+            loads[w] = Load(phases, self.weights_path, weights, self.state_instances)
         self.pool.call(loads, self.step_timeout_s)
         # state rows -> the rank holding their latest value (-1: every holder has the same value)
         self.owner: dict[tuple[str, int], list[int]] = {}
@@ -142,16 +140,15 @@ class DistributedRunner:
         self._run_guarded(lambda: self._set_state(values))
 
     def _set_state(self, values: list[dict[str, torch.Tensor]]) -> None:
-        cmds = {w: {"op": "set_state", "values": values} for w in self.members}
-        self.pool.call(cmds, self.step_timeout_s)
+        self.pool.call({w: SetState(values) for w in self.members}, self.step_timeout_s)
         for i, vals in enumerate(values):
             for name in vals:
                 self.owner[(name, i)] = [-1] * self._rows(name)
 
     def get_state(self) -> list[dict[str, torch.Tensor]]:
         """Every state instance as the deployment holds it now (rows from the worker that wrote them last)."""
-        replies = self.pool.call({w: {"op": "get_state"} for w in self.members}, self.step_timeout_s)
-        by_rank = [replies[w]["state"] for w in self.members]
+        replies = self.pool.call({w: GetState() for w in self.members}, self.step_timeout_s)
+        by_rank = [replies[w].state for w in self.members]
         out: list[dict[str, torch.Tensor]] = []
         for inst in range(self.state_instances):
             mb: dict[str, torch.Tensor] = {}
@@ -170,7 +167,7 @@ class DistributedRunner:
     def _moves_for(self, phase: str, instances: list[int]) -> None:
         """Move state rows the phase needs from the worker that wrote them last (explicit, exact rows)."""
         holder = self.holder[phase]
-        moves: dict[int, list[dict[str, Any]]] = {}
+        moves: dict[int, list[StateMove]] = {}
         tag = 0
         for name, dst in sorted(holder.items()):
             row_bytes = self._buffer(name).nbytes // self._rows(name)
@@ -180,15 +177,13 @@ class DistributedRunner:
                     rows = [r for r, o in enumerate(owner) if o == src]
                     spans = _row_spans(rows, row_bytes)
                     for me, peer, send in ((src, dst, True), (dst, src, False)):
-                        moves.setdefault(self.members[me], []).append(
-                            {"buffer": name, "microbatch": inst, "spans": spans, "peer": peer, "tag": tag,
-                             "send": send})
+                        moves.setdefault(self.members[me], []).append(StateMove(name, inst, spans, peer, tag, send))
                     tag += 1
                     for r in rows:
                         owner[r] = dst
         if moves:
-            replies = self.pool.call({w: {"op": "move", "moves": mv} for w, mv in moves.items()}, self.step_timeout_s)
-            self.moved_bytes += sum(r["bytes"] for r in replies.values()) // 2  # counted by sender and receiver
+            replies = self.pool.call({w: Move(mv) for w, mv in moves.items()}, self.step_timeout_s)
+            self.moved_bytes += sum(r.nbytes for r in replies.values()) // 2  # counted by sender and receiver
 
     # ------------------------------------------------------------------------------------------------
     def slots_per_instance(self) -> int:
@@ -235,21 +230,20 @@ class DistributedRunner:
             prog = sp.programs[rank]
             if not prog.instructions:
                 continue
-            cmds[w] = {"op": "step", "phase": phase, "trace": trace, "state_instances": instances,
-                       "inputs": [{n: c[n] for n in prog.inputs} for c in chunks]}
+            cmds[w] = Step(phase, [{n: c[n] for n in prog.inputs} for c in chunks], instances, trace)
         t0 = time.perf_counter()
         replies = self.pool.call(cmds, self.step_timeout_s)
         seconds = time.perf_counter() - t0
         outs: list[dict[str, torch.Tensor]] = [{} for _ in chunks]
         for r in replies.values():
-            for i, o in enumerate(r["outputs"]):
+            for i, o in enumerate(r.outputs):
                 outs[i].update(o)
         self._mark_written(phase, chunks, instances)
         order = list(replies)
-        self.last_timing = StepTiming(phase, seconds, [replies[w]["seconds"] for w in order],
-                                      [replies[w]["compute_s"] for w in order],
-                                      [replies[w]["timeline"] for w in order] if trace else [],
-                                      [self.pool.devices[w] for w in order], [replies[w]["t0"] for w in order])
+        self.last_timing = StepTiming(phase, seconds, [replies[w].seconds for w in order],
+                                      [replies[w].compute_s for w in order],
+                                      [replies[w].timeline for w in order] if trace else [],
+                                      [self.pool.devices[w] for w in order], [replies[w].t0 for w in order])
         return outs
 
     def _graph(self, phase: str) -> KernelGraph:
@@ -301,8 +295,7 @@ class DistributedRunner:
         def submit(m: int, inputs: dict[str, torch.Tensor], i: int) -> None:
             for rank, w in workers[m]:
                 names = sp.programs[rank].inputs
-                self.pool.submit(w, {"op": "job", "phase": phase, "microbatch": m, "job": (m, i),
-                                     "inputs": {n: inputs[n] for n in names}, "state_instance": instances[m]})
+                self.pool.submit(w, Job(phase, m, {n: inputs[n] for n in names}, instances[m], key=(m, i)))
             waiting[(m, i)] = {w for _, w in workers[m]}
 
         t0 = time.perf_counter()
@@ -310,9 +303,9 @@ class DistributedRunner:
             submit(m, first[m], 0)
         while waiting:
             w, reply = self.pool.next_reply(self.members, self.step_timeout_s)
-            key = tuple(reply["job"])
-            gathered.setdefault(key, {}).update(reply["outputs"][0])
-            busy[w] += reply["compute_s"]
+            key = reply.key
+            gathered.setdefault(key, {}).update(reply.outputs[0])
+            busy[w] += reply.compute_s
             waiting[key].discard(w)
             if waiting[key]:
                 continue

@@ -1,12 +1,12 @@
-"""The driver's side of the workers: start them (local processes, or torchrun ranks), send commands,
-collect replies with timeouts, and notice a lost worker within a bounded time."""
+"""The driver's side of the workers: start them (local processes, or torchrun ranks), send commands
+(:mod:`tessera.runtime.commands`), collect replies with timeouts, and notice a lost worker within a bounded
+time."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import os
-import pickle
 import time
 from collections import deque
 from datetime import timedelta
@@ -20,6 +20,8 @@ import torch.multiprocessing as mp
 
 from tessera.errors import TesseraError
 from tessera.graph.codec import dtype_from_name
+from tessera.runtime.commands import Command, Failure, Ping, Reply, SharedTensor, Stop
+from tessera.runtime.wire import decode, encode
 from tessera.runtime.worker import WorkerConfig, nap, worker_main
 
 BACKENDS = ("gloo", "nccl")
@@ -103,7 +105,7 @@ class WorkerPool:
             procs.append(p)
             pipes.append(mine)
         pool = cls(store, [f"{d}:{w}" if d == "cpu" else d for w, d in enumerate(devices)], procs, threads, pipes)
-        pool.call({w: {"op": "ping"} for w in range(workers)}, START_TIMEOUT_S)
+        pool.call({w: Ping() for w in range(workers)}, START_TIMEOUT_S)
         return pool
 
     @classmethod
@@ -111,7 +113,7 @@ class WorkerPool:
         """Workers started elsewhere (torchrun ranks 1..N) that share ``store``."""
         devices = devices or [f"rank{w + 1}" for w in range(workers)]
         pool = cls(store, devices, None, threads)
-        pool.call({w: {"op": "ping"} for w in range(workers)}, START_TIMEOUT_S)
+        pool.call({w: Ping() for w in range(workers)}, START_TIMEOUT_S)
         return pool
 
     @property
@@ -133,11 +135,11 @@ class WorkerPool:
             self.lost.add(w)
             raise WorkerLost(w, self.devices[w], f"no heartbeat for {time.time() - beat:.1f} s", waited)
 
-    def send(self, w: int, cmd: dict[str, Any]) -> str:
+    def send(self, w: int, cmd: Command) -> str:
         """Queue ``cmd`` for worker ``w``; returns the key its reply will have."""
+        data = encode(cmd)
         n = self.seq[w]
         self.seq[w] += 1
-        data = pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL)
         if self.pipes is not None:
             self.pipes[w].send_bytes(data)
         else:
@@ -153,14 +155,14 @@ class WorkerPool:
                 return False
         return self.store.check([key])
 
-    def submit(self, w: int, cmd: dict[str, Any]) -> None:
+    def submit(self, w: int, cmd: Command) -> None:
         """Send worker ``w`` a command without waiting; its reply comes from :meth:`next_reply` (replies of one
         worker arrive in the order of its commands)."""
         if w in self.lost:
             raise WorkerLost(w, self.devices[w], "lost earlier", 0.0)
         self.pending[w].append(self.send(w, cmd))
 
-    def next_reply(self, workers, timeout_s: float, raise_failed: bool = True) -> tuple[int, dict[str, Any]]:
+    def next_reply(self, workers, timeout_s: float, raise_failed: bool = True) -> tuple[int, Reply]:
         """The next reply of any of ``workers`` that have commands outstanding (a worker error raises
         WorkerFailed unless not ``raise_failed``, a lost worker WorkerLost as soon as it is noticed)."""
         waiting = [w for w in workers if self.pending[w]]
@@ -175,8 +177,8 @@ class WorkerPool:
                 w = next((v for v in waiting if self._ready(v, self.pending[v][0])), None)
             if w is not None:
                 reply = self._take(w, self.pending[w][0])
-                if raise_failed and not reply["ok"]:
-                    raise WorkerFailed(self.devices[w], reply["error"], reply.get("traceback", ""))
+                if raise_failed and isinstance(reply, Failure):
+                    raise WorkerFailed(self.devices[w], reply.error, reply.traceback)
                 return w, reply
             waited = time.monotonic() - start
             for v in waiting:
@@ -188,7 +190,7 @@ class WorkerPool:
             if self.pipes is None:
                 time.sleep(nap(waited))
 
-    def call(self, cmds: dict[int, dict[str, Any]], timeout_s: float) -> dict[int, dict[str, Any]]:
+    def call(self, cmds: dict[int, Command], timeout_s: float) -> dict[int, Reply]:
         """Send each worker its command and wait for all replies; a worker error raises WorkerFailed after
         every reply is in, a lost worker WorkerLost as soon as it is noticed."""
         for w, cmd in cmds.items():
@@ -196,20 +198,20 @@ class WorkerPool:
                 raise RuntimeSetupError(f"worker {self.devices[w]} still has {len(self.pending[w])} commands "
                                         "outstanding")
             self.submit(w, cmd)
-        replies: dict[int, dict[str, Any]] = {}
+        replies: dict[int, Reply] = {}
         while len(replies) < len(cmds):
             w, reply = self.next_reply([v for v in cmds if v not in replies], timeout_s, raise_failed=False)
             replies[w] = reply
-        failed = [(w, r) for w, r in replies.items() if not r["ok"]]
+        failed = [(w, r) for w, r in replies.items() if isinstance(r, Failure)]
         if failed:
             w, r = failed[0]
-            raise WorkerFailed(self.devices[w], r["error"], r.get("traceback", ""))
+            raise WorkerFailed(self.devices[w], r.error, r.traceback)
         return replies
 
-    def _take(self, w: int, key: str) -> dict[str, Any]:
+    def _take(self, w: int, key: str) -> Reply:
         if self.pipes is not None:
             try:
-                reply = pickle.loads(self.pipes[w].recv_bytes())
+                data = self.pipes[w].recv_bytes()
             except (EOFError, OSError):  # the worker's end closed: it died
                 self.pending[w].clear()
                 self.lost.add(w)
@@ -220,13 +222,14 @@ class WorkerPool:
                 how = f"process exited with code {code}" if code is not None else "its pipe closed"
                 raise WorkerLost(w, self.devices[w], how, 0.0) from None
         else:
-            reply = pickle.loads(self.store.get(key))
+            data = self.store.get(key)
             self.store.delete_key(key)
         self.pending[w].popleft()
-        for outputs in reply.get("outputs", ()) if isinstance(reply.get("outputs"), list) else ():
+        reply = decode(data)
+        for outputs in getattr(reply, "outputs", ()):
             for name, value in outputs.items():
-                if isinstance(value, tuple) and value[0] == "shared":
-                    outputs[name] = self._read_shared(*value[1:])
+                if isinstance(value, SharedTensor):
+                    outputs[name] = self._read_shared(*value)
         return reply
 
     def _read_shared(self, arena: str, offset: int, dtype: str, shape: list[int]) -> torch.Tensor:
@@ -280,7 +283,7 @@ class WorkerPool:
         """Stop every live worker (and wait for local processes)."""
         for w in self.alive:
             with contextlib.suppress(Exception):  # closing anyway
-                self.send(w, {"op": "stop"})
+                self.send(w, Stop())
         if self.processes is not None:
             for p in self.processes:
                 p.join(timeout=5)

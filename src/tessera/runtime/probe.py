@@ -26,7 +26,9 @@ the runtime's own code paths, so a simulated step can be compared with a measure
   difference is what workers sharing the host's cores, caches and memory cost each other.
   :func:`measure_kernel_times` does the same for a whole graph on one device.
 
-:class:`PoolModel` runs the simulator with these inputs.
+:class:`tessera.sim.pool_model.PoolModel` runs the simulator with these inputs. The driver's side of each
+probe sends the workers commands of :mod:`tessera.runtime.commands`; their side (:func:`ping_pong`,
+:func:`message_burst`, :func:`time_program`) runs in :class:`tessera.runtime.worker.Worker`.
 
 Nothing here is cached: each figure is a few seconds of measurement and depends on the machine's load.
 """
@@ -37,13 +39,15 @@ import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from tessera.errors import TesseraError
 from tessera.graph.ir import KernelGraph
 from tessera.hardware.cluster import Link
+from tessera.program.program import Piece
+from tessera.runtime.commands import Connect, Echo, MessageTimes, ProbeLink, ProbeMessages, TimeProgram
+from tessera.runtime.wire import pack, unpack
 
 LINK_SIZES = (64, 4096, 65536, 1 << 20, 4 << 20)  # bytes per message in the link probe
 PROBE_TAG = 1 << 24  # message tags of the probes (step transfers use small tags)
@@ -75,11 +79,8 @@ def ping_pong(pg, peer: int, sizes: list[int], repeats: int, lead: bool, timeout
     """Worker side of :func:`measure_link`: for each size one untimed and ``repeats`` timed round trips with
     rank ``peer`` of ``pg`` (the lead sends first). As in a step, every receive is posted before its message
     is sent and waited for with the transfer timeout, and messages are packed from a buffer and unpacked
-    into one (:func:`tessera.runtime.worker.pack` / ``unpack``). Returns the lead's median round trip per
+    into one (:func:`tessera.runtime.wire.pack` / ``unpack``). Returns the lead's median round trip per
     size (the other side returns zeros)."""
-    from tessera.program.program import Piece
-    from tessera.runtime.worker import pack, unpack
-
     out = []
     src = {"x": torch.zeros(max(sizes), dtype=torch.uint8).untyped_storage()}
     dst = {"x": torch.zeros(max(sizes), dtype=torch.uint8).untyped_storage()}
@@ -131,14 +132,11 @@ class MessageProbe:
                 f"{self.send_s * 1e6:.0f} us, take an arrived message {self.recv_s * 1e6:.0f} us")
 
 
-def message_burst(pg, peer: int, count: int, nbytes: int, timeout) -> dict[str, float]:
+def message_burst(pg, peer: int, count: int, nbytes: int, timeout) -> MessageTimes:
     """Worker side of :func:`measure_messages` (both workers run it at once, as in a step messages flow both
     ways): post ``count`` receives (timed), tell the peer and wait for its word, send ``count`` messages back
     to back (timed, each packed as step transfers are) and one more; once the peer's last message is here,
     the others have arrived: take them all (timed). Seconds per message of each part."""
-    from tessera.program.program import Piece
-    from tessera.runtime.worker import pack, unpack
-
     storages = {"x": torch.zeros(nbytes, dtype=torch.uint8).untyped_storage()}
     pieces = (Piece("x", ((0, nbytes),)),)
     cpu = torch.device("cpu")
@@ -162,7 +160,7 @@ def message_burst(pg, peer: int, count: int, nbytes: int, timeout) -> dict[str, 
     for work, flat in posted:
         work.wait(timeout)
         unpack(storages, pieces, flat, cpu)
-    return {"post_s": post_s, "send_s": send_s, "recv_s": (time.perf_counter() - t0) / count}
+    return MessageTimes(post_s, send_s, (time.perf_counter() - t0) / count)
 
 
 def measure_messages(pool, a: int = 0, b: int = 1, count: int = 200, nbytes: int = 4096,
@@ -176,12 +174,11 @@ def measure_messages(pool, a: int = 0, b: int = 1, count: int = 200, nbytes: int
     ra, rb = members.index(a), members.index(b)
     got: dict[str, list[float]] = {"post_s": [], "send_s": [], "recv_s": []}
     for r in range(rounds + 1):
-        replies = pool.call({a: {"op": "probe_messages", "peer": rb, "count": count, "nbytes": nbytes},
-                             b: {"op": "probe_messages", "peer": ra, "count": count, "nbytes": nbytes}}, 120.0)
+        replies = pool.call({a: ProbeMessages(rb, count, nbytes), b: ProbeMessages(ra, count, nbytes)}, 120.0)
         for reply in replies.values():
             for k in got:
                 if r:
-                    got[k].append(reply[k])
+                    got[k].append(getattr(reply, k))
     return MessageProbe(nbytes, *(statistics.median(got[k]) for k in ("post_s", "send_s", "recv_s")))
 
 
@@ -248,7 +245,7 @@ def connect(pool) -> list[int]:
     forms them); returns the members. A runner made afterwards forms its own group again."""
     members = list(pool.alive)
     pool.epoch += 1
-    pool.call({w: {"op": "connect", "epoch": pool.epoch, "members": members} for w in members}, 60.0)
+    pool.call({w: Connect(pool.epoch, members) for w in members}, 60.0)
     return members
 
 
@@ -264,10 +261,9 @@ def measure_link(pool, a: int = 0, b: int = 1, sizes: tuple[int, ...] = LINK_SIZ
         raise ProbeError(f"message sizes must be at least one byte, got {min(sizes)}")
     members = connect(pool)
     ra, rb = members.index(a), members.index(b)
-    replies = pool.call({a: {"op": "probe_link", "peer": rb, "sizes": list(sizes), "repeats": repeats, "lead": True},
-                         b: {"op": "probe_link", "peer": ra, "sizes": list(sizes), "repeats": repeats, "lead": False}},
-                        120.0)
-    one_way = [t / 2 for t in replies[a]["round_trip_s"]]
+    replies = pool.call({a: ProbeLink(rb, list(sizes), repeats, lead=True),
+                         b: ProbeLink(ra, list(sizes), repeats, lead=False)}, 120.0)
+    one_way = [t / 2 for t in replies[a].round_trip_s]
     # bandwidth from the largest and smallest messages; latency: the smallest message's time less its bytes
     order = sorted(range(len(sizes)), key=lambda i: sizes[i])
     lo, hi = order[0], order[-1]
@@ -298,9 +294,9 @@ def measure_round_trip(pool, workers: list[int], output_bytes: int = 0, micro_ba
     times = []
     for r in range(repeats + 2):
         t0 = time.perf_counter()
-        replies = pool.call({w: {"op": "echo", "nbytes": output_bytes if w == holder else 0,
-                                 "micro_batches": micro_batches if w == holder else 0} for w in workers}, 60.0)
-        outs = replies[holder]["outputs"]
+        replies = pool.call({w: Echo(output_bytes, micro_batches) if w == holder else Echo() for w in workers},
+                            60.0)
+        outs = replies[holder].outputs
         if len(outs) > 1:
             torch.cat([o["echo"] for o in outs])
         if r >= 2:
@@ -409,14 +405,13 @@ def measure_program_times(pool, sp, graph: KernelGraph, weights_path: str | list
     if len(workers) < len(sp.programs):
         raise ProbeError(f"{len(sp.programs)} device programs but {len(workers)} workers")
 
-    def cmd(d: int, min_s: float, pause_s: float = 0.0) -> dict[str, Any]:
-        return {"op": "time_program", "graph": graph, "program": sp.programs[d], "weights_path": weights_path,
-                "inputs": [{n: mb[n] for n in sp.programs[d].inputs} for mb in inputs],
-                "passes": max(2, passes // 2) if pause_s else passes, "warmup": 1 if pause_s else warmup,
-                "min_seconds": min_s, "pause_s": pause_s}
+    def cmd(d: int, min_s: float, pause_s: float = 0.0) -> TimeProgram:
+        return TimeProgram(graph, sp.programs[d], weights_path,
+                           [{n: mb[n] for n in sp.programs[d].inputs} for mb in inputs],
+                           max(2, passes // 2) if pause_s else passes, 1 if pause_s else warmup, min_s, pause_s)
 
     def medians(reply) -> dict[tuple[int, int], float]:
-        return {key: statistics.median(v) for key, v in reply["seconds"].items()}
+        return {key: statistics.median(v) for key, v in reply.seconds.items()}
 
     alone = [{} for _ in sp.programs]
     for d in used:
@@ -445,13 +440,12 @@ def measure_kernel_times(pool, workers: list[int], graph: KernelGraph, weights_p
     from tessera.program.program import single_device_program
 
     program = single_device_program(graph)
-    cmd = {"op": "time_program", "graph": graph, "program": program, "weights_path": weights_path,
-           "inputs": [dict(inputs)], "passes": passes, "warmup": warmup, "min_seconds": 0.0}
+    cmd = TimeProgram(graph, program, weights_path, [dict(inputs)], passes, warmup)
     replies = pool.call(dict.fromkeys(workers, cmd), 600.0)
     out = []
     for w in workers:
         times = [0.0] * len(graph.kernels)
-        for (k, _), v in replies[w]["seconds"].items():
+        for (k, _), v in replies[w].seconds.items():
             times[k] = statistics.median(v)
         out.append(times)
     return out
@@ -463,121 +457,3 @@ def zero_state(graph: KernelGraph, names: list[str] | None = None) -> dict[str, 
 
     return {name: torch.zeros(graph.buffers[name].shape, dtype=dtype_from_name(graph.buffers[name].dtype))
             for name in (graph.state if names is None else names)}
-
-
-# ------------------------------------------------------------------------------------------------------------
-# simulating a step of this pool with the measured inputs
-
-
-@dataclass
-class PoolModel:
-    """What the simulator is told about a pool of local workers running one step's programs: each device's
-    kernel times inside steps alone and with the others computing (:func:`measure_program_times`), the
-    link and the per-message costs between two workers. A kernel's time is its alone time plus the share of
-    it during which another worker computes times the measured slowdown (``together - alone``), plus, for
-    the first kernel after a receive, the device's wake cost for that receive's wait
-    (:meth:`ProgramTimes.wake_cost`); as shares and waits depend on the schedule, the simulation is
-    repeated with those of the previous run (``iterations``)."""
-
-    times: ProgramTimes
-    link: Link
-    messages: Any = None  # tessera.sim.programs.MessageCosts
-    iterations: int = 4
-
-    def _time(self, d: int, k: int, m: int, share: float) -> float:
-        a = self.times.alone[d][(k, m)]
-        return a + share * (self.times.together[d][(k, m)] - a)
-
-    def step(self, sp, overhead_s: float = 0.0):
-        """One step of ``sp`` (``simulate_programs``): (seconds including ``overhead_s``, the timeline). Each
-        kernel instance's share is the fraction of its simulated time the other devices spent in kernels."""
-        from tessera.sim.programs import simulate_programs
-
-        share: dict[tuple[int, int, int], float] = {}
-        wake: dict[tuple[int, int, int], float] = {}
-        timeline = None
-        recv_s = self.messages.recv_s if self.messages is not None else 0.0
-        for _ in range(max(1, self.iterations)):
-            timeline = simulate_programs(
-                sp, lambda d, k, m, s=share, w=wake: self._time(d, k, m, s.get((d, k, m), 0.0)) + w.get((d, k, m), 0.0),
-                lambda a, b: self.link, record=True, messages=self.messages)
-            share = _overlap_shares(timeline.events, len(sp.programs))
-            wake = self._wakes(timeline.events, recv_s)
-        return timeline.makespan_s + overhead_s, timeline
-
-    def _wakes(self, events, recv_s: float) -> dict[tuple[int, int, int], float]:
-        """(device, kernel, micro-batch) -> the wake cost of the receive just before that kernel."""
-        out: dict[tuple[int, int, int], float] = {}
-        pending: dict[int, float] = {}
-        for d, kind, what, m, start, end in events:
-            if kind == "recv":
-                pending[d] = pending.get(d, 0.0) + self.times.wake_cost(d, end - start - recv_s)
-            elif kind == "run" and d in pending:
-                out[(d, what, m)] = pending.pop(d)
-        return out
-
-    def stream(self, sp, steps: int, feedback_s: float):
-        """``steps`` streamed steps of ``sp`` (``simulate_stream``): (seconds per step in steady state, the
-        timeline). A device's share is the other devices' kernel time over the run's length (capped at 1);
-        its wake costs (those of all its receives' waits) are spread over the kernels that follow a receive."""
-        from tessera.sim.programs import simulate_stream
-
-        share = [0.0] * len(sp.programs)
-        after = [_after_receives(p.instructions) for p in sp.programs]
-        extra = [0.0] * len(sp.programs)
-        timeline = None
-        for _ in range(max(1, self.iterations)):
-            timeline = simulate_stream(
-                sp, lambda d, k, m, s=share, x=extra: self._time(d, k, m, s[d]) + (x[d] if (k, m) in after[d] else 0.0),
-                lambda a, b: self.link, steps, feedback_s, messages=self.messages)
-            span = timeline.makespan_s or 1.0
-            total = sum(timeline.busy_s)
-            share = [min(1.0, (total - b) / span) for b in timeline.busy_s]
-            extra = [sum(self.times.wake_cost(d, w) for w in waits) / (steps * len(after[d])) if after[d] else 0.0
-                     for d, waits in enumerate(timeline.waits_s)]
-        return timeline.period_s, timeline
-
-
-def _after_receives(instructions) -> set[tuple[int, int]]:
-    """The (kernel, micro-batch) run first after each receive of a device program."""
-    out, waiting = set(), set()
-    for ins in instructions:
-        if ins.kind == "recv":
-            waiting.add(ins.microbatch)
-        elif ins.kind == "run" and ins.microbatch in waiting:
-            waiting.discard(ins.microbatch)
-            out.add((ins.kernel, ins.microbatch))
-    return out
-
-
-def _overlap_shares(events, devices: int) -> dict[tuple[int, int, int], float]:
-    """(device, kernel, micro-batch) -> the fraction of that run the other devices spent in kernels."""
-    import bisect
-
-    runs: list[list[tuple[float, float]]] = [[] for _ in range(devices)]
-    for d, kind, _what, _m, start, end in events:
-        if kind == "run" and end > start:
-            runs[d].append((start, end))
-    starts = [[s for s, _ in r] for r in runs]
-    done = []  # per device: kernel seconds finished before each run starts (prefix sums)
-    for r in runs:
-        acc, sums = 0.0, [0.0]
-        for s, e in r:
-            acc += e - s
-            sums.append(acc)
-        done.append(sums)
-
-    def busy_until(d: int, t: float) -> float:
-        i = bisect.bisect_right(starts[d], t)  # runs starting at or before t
-        if i == 0:
-            return 0.0
-        s, e = runs[d][i - 1]
-        return done[d][i - 1] + min(t, e) - s
-
-    out = {}
-    for d, kind, what, m, start, end in events:
-        if kind != "run" or end <= start:
-            continue
-        other = sum(busy_until(o, end) - busy_until(o, start) for o in range(devices) if o != d)
-        out[(d, what, m)] = min(1.0, other / (end - start))
-    return out

@@ -1,19 +1,21 @@
 """One worker process per device: it loads its weights, holds its state and runs its programs.
 
-Workers take commands from the driver through a key-value store (``cmd/<worker>/<n>``, answered at
-``reply/<worker>/<n>``) and exchange activations with each other over a torch.distributed process group
-(gloo: CPU tensors; CUDA workers stage through host memory). Transfers are asynchronous: receives are
-posted when a step starts and sends return at once, so micro-batch m's transfer overlaps m+1's compute.
-Every wait has a timeout. A heartbeat key (``hb/<worker>``) tells the driver the worker is alive.
+Workers take commands from the driver (the dataclasses of :mod:`tessera.runtime.commands`, encoded by
+:mod:`tessera.runtime.wire`; :data:`HANDLERS` names the method that runs each type) over a pipe (local
+workers) or through a key-value store (``cmd/<worker>/<n>``, answered at ``reply/<worker>/<n>``), and
+exchange activations with each other over a torch.distributed process group (gloo: CPU tensors; CUDA
+workers stage through host memory). Transfers are asynchronous: receives are posted when a step starts and
+sends return at once, so micro-batch m's transfer overlaps m+1's compute. Every wait has a timeout. A
+heartbeat key (``hb/<worker>``) tells the driver the worker is alive.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -24,6 +26,39 @@ import torch.distributed as dist
 from tessera.graph.codec import dtype_from_name, dtype_name
 from tessera.graph.ir import KernelGraph, TensorRef
 from tessera.program.program import Piece, Program, Transfer
+from tessera.runtime.commands import (
+    Command,
+    Connect,
+    Connected,
+    Done,
+    Echo,
+    Echoed,
+    Failure,
+    GetState,
+    Job,
+    KernelSeconds,
+    Load,
+    Loaded,
+    MessageTimes,
+    Move,
+    Moved,
+    Ping,
+    Pong,
+    ProbeLink,
+    ProbeMessages,
+    Reply,
+    RoundTrips,
+    SetState,
+    SharedTensor,
+    StateValues,
+    Step,
+    StepResult,
+    Stop,
+    TimeProgram,
+    UnknownCommand,
+)
+from tessera.runtime.probe import message_burst, ping_pong, time_program, zero_state
+from tessera.runtime.wire import decode, encode, pack, unpack
 
 HEARTBEAT_S = 0.2
 
@@ -49,37 +84,11 @@ class WorkerConfig:
     shared_outputs: bool = False  # step outputs through a shared-memory arena (driver on the same host)
 
 
-def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def pack(storages: dict[str, torch.UntypedStorage], pieces: tuple[Piece, ...]) -> torch.Tensor:
-    """The bytes of ``pieces`` as one flat host tensor."""
-    parts = [_bytes_view(storages[p.buffer])[lo:hi] for p in pieces for lo, hi in p.spans]
-    flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-    return flat.cpu()
-
-
-def unpack(storages: dict[str, torch.UntypedStorage], pieces: tuple[Piece, ...], flat: torch.Tensor,
-           device: torch.device, graph: KernelGraph | None = None) -> None:
-    """Write a received flat tensor into the pieces' buffers (allocating one not present yet: ``graph`` gives
-    its size)."""
-    at = 0
-    for p in pieces:
-        st = storages.get(p.buffer)
-        if st is None:
-            st = torch.zeros(graph.buffers[p.buffer].nbytes, dtype=torch.uint8, device=device).untyped_storage()
-            storages[p.buffer] = st
-        view = _bytes_view(st)
-        for lo, hi in p.spans:
-            view[lo:hi].copy_(flat[at: at + hi - lo])
-            at += hi - lo
-
-
 class OutputArena:
     """Step outputs written into shared memory (one region per micro-batch) for a driver on the same host:
-    the reply carries (arena, offset, dtype, shape) instead of the bytes. A region is rewritten only by the
-    next step of its micro-batch, which the driver sends after it has copied the region out."""
+    the reply carries a :class:`SharedTensor` (arena, offset, dtype, shape) instead of the bytes. A region is
+    rewritten only by the next step of its micro-batch, which the driver sends after it has copied the region
+    out."""
 
     REGION_ALIGN = 64
 
@@ -87,7 +96,8 @@ class OutputArena:
         self.shm = None
         self.region = 0
 
-    def put(self, microbatch: int, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def put(self, microbatch: int, tensors: dict[str, torch.Tensor]) -> dict[str, SharedTensor]:
+        """Copy ``tensors`` into micro-batch ``microbatch``'s region; where each one lies."""
         from multiprocessing import shared_memory
 
         sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
@@ -104,11 +114,12 @@ class OutputArena:
         for name, t in tensors.items():
             flat = t.detach().contiguous().view(-1).view(torch.uint8)
             buf[at: at + flat.numel()].copy_(flat.cpu())
-            refs[name] = ("shared", self.shm.name, at, dtype_name(t.dtype), list(t.shape))
+            refs[name] = SharedTensor(self.shm.name, at, dtype_name(t.dtype), list(t.shape))
             at += -(-sizes[name] // self.REGION_ALIGN) * self.REGION_ALIGN
         return refs
 
     def close(self) -> None:
+        """Release the shared memory (the driver's copies stay valid)."""
         if self.shm is not None:
             self.shm.close()
             self.shm.unlink()
@@ -118,7 +129,7 @@ class OutputArena:
 class Worker:
     """The state of one worker process between commands."""
 
-    def __init__(self, cfg: WorkerConfig, store: dist.Store):
+    def __init__(self, cfg: WorkerConfig, store: dist.Store | None):
         self.cfg = cfg
         self.store = store
         self.device = torch.device(cfg.device)
@@ -132,30 +143,35 @@ class Worker:
         self.arena = OutputArena() if cfg.shared_outputs else None
 
     # ------------------------------------------------------------------------------------------------
-    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        op = cmd["op"]
-        return getattr(self, "op_" + op)(**{k: v for k, v in cmd.items() if k != "op"})
+    def handle(self, cmd: Command) -> Reply:
+        """Run ``cmd``; its reply. A command this worker has no handler for raises UnknownCommand."""
+        handler = HANDLERS.get(type(cmd))
+        if handler is None:
+            raise UnknownCommand(f"worker {self.cfg.worker} does not know the command {type(cmd).__name__} "
+                                 f"(commands: {', '.join(c.__name__ for c in HANDLERS)})")
+        return handler(self, cmd)
 
-    def op_ping(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "threads": torch.get_num_threads(), "device": str(self.device)}
+    def ping(self, cmd: Ping) -> Pong:
+        """Who this worker is."""
+        return Pong(os.getpid(), torch.get_num_threads(), str(self.device))
 
-    def op_connect(self, epoch: int, members: list[int]) -> dict[str, Any]:
-        """Join the process group of ``members`` (worker ids; rank = position) for ``epoch``."""
+    def connect(self, cmd: Connect) -> Connected:
+        """Join the process group of the command's members for its epoch."""
         self.pg = None
-        if self.cfg.worker not in members:
-            return {"rank": -1}
-        self.rank = members.index(self.cfg.worker)
-        prefix = dist.PrefixStore(f"pg/{epoch}", self.store)
-        self.pg = dist.ProcessGroupGloo(prefix, self.rank, len(members), self.timeout)
-        return {"rank": self.rank}
+        if self.cfg.worker not in cmd.members:
+            return Connected(-1)
+        self.rank = cmd.members.index(self.cfg.worker)
+        prefix = dist.PrefixStore(f"pg/{cmd.epoch}", self.store)
+        self.pg = dist.ProcessGroupGloo(prefix, self.rank, len(cmd.members), self.timeout)
+        return Connected(self.rank)
 
-    def op_load(self, phases: dict[str, dict[str, Any]], weights_path: str | list[str] | None,
-                weights: dict[str, torch.Tensor] | None, state_instances: int) -> dict[str, Any]:
+    def load(self, cmd: Load) -> Loaded:
         """Load every phase's graph and program; read only the weights its kernels use; zero its state."""
         from tessera.runtime.executor import Executor
         from tessera.weights import load_weights
 
-        names = sorted({w for ph in phases.values() for w in ph["program"].weights})
+        phases, weights_path, weights = cmd.phases, cmd.weights_path, cmd.weights
+        names = sorted({w for ph in phases.values() for w in ph.program.weights})
         source = None if weights is not None else _files_identity(weights_path)
         # weights already loaded from the same files are kept (a re-plan after a lost worker); never by name alone
         have = {n: t for n, t in self.weights.items() if n in names} if source and source == self.source else {}
@@ -164,7 +180,7 @@ class Worker:
         if missing and weights is not None:
             have.update({n: weights[n] for n in missing if n in weights})
         elif missing and weights_path is not None:
-            graphs = [ph["graph"] for ph in phases.values()]
+            graphs = [ph.graph for ph in phases.values()]
             wanted = set(missing) | {a for g in graphs for n in missing for a in g.buffers[n].aliases}
             for path in [weights_path] if isinstance(weights_path, str) else weights_path:
                 got = load_weights(path, sorted(wanted - set(have)))
@@ -173,76 +189,75 @@ class Worker:
         self.phases = {}
         shapes: dict[str, tuple] = {}
         for name, ph in phases.items():
-            graph, program = ph["graph"], ph["program"]
+            graph, program = ph.graph, ph.program
             ex = Executor(graph, program, self.weights, self.device)
             ops = _opcodes(program)
             by_microbatch = [[op for op in ops if op[2] == m] for m in range(program.micro_batches)]
-            self.phases[name] = (graph, program, ph["transfers"], ex, ops, by_microbatch)
+            self.phases[name] = (graph, program, ph.transfers, ex, ops, by_microbatch)
             for s in program.state:
                 b = graph.buffers[s]
                 shapes.setdefault(s, (b.dtype, tuple(b.shape)))
         self.state = [{s: torch.zeros(shape, dtype=dtype_from_name(dt), device=self.device)
-                       for s, (dt, shape) in shapes.items()} for _ in range(state_instances)]
-        return {"weights": len(self.weights), "weight_bytes": sum(t.nbytes for t in self.weights.values()),
-                "state": len(shapes)}
+                       for s, (dt, shape) in shapes.items()} for _ in range(cmd.state_instances)]
+        return Loaded(len(self.weights), sum(t.nbytes for t in self.weights.values()), len(shapes))
 
-    def op_set_state(self, values: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-        for m, vals in enumerate(values):
+    def set_state(self, cmd: SetState) -> Done:
+        """Copy the command's values into the state instances (the buffers held here)."""
+        for m, vals in enumerate(cmd.values):
             for name, t in vals.items():
                 if name in self.state[m]:
                     self.state[m][name].copy_(t)
-        return {}
+        return Done()
 
-    def op_get_state(self, names: list[str] | None = None) -> dict[str, Any]:
-        return {"state": [{n: t.cpu().clone() for n, t in mb.items() if names is None or n in names}
-                          for mb in self.state]}
+    def get_state(self, cmd: GetState) -> StateValues:
+        """Copies of the state instances (the buffers named, or all)."""
+        return StateValues([{n: t.cpu().clone() for n, t in mb.items() if cmd.names is None or n in cmd.names}
+                            for mb in self.state])
 
-    def op_move(self, moves: list[dict[str, Any]]) -> dict[str, Any]:
+    def move(self, cmd: Move) -> Moved:
         """Explicit state moves: send or receive byte ranges of state buffers (per micro-batch)."""
         works, moved = [], 0
-        for mv in moves:
-            storages = {mv["buffer"]: self.state[mv["microbatch"]][mv["buffer"]].untyped_storage()}
-            pieces = (Piece(mv["buffer"], tuple(mv["spans"])),)
+        for mv in cmd.moves:
+            storages = {mv.buffer: self.state[mv.microbatch][mv.buffer].untyped_storage()}
+            pieces = (Piece(mv.buffer, tuple(mv.spans)),)
             moved += pieces[0].nbytes
-            if mv["send"]:
-                works.append((self.pg.send([pack(storages, pieces)], mv["peer"], mv["tag"]), None))
+            if mv.send:
+                works.append((self.pg.send([pack(storages, pieces)], mv.peer, mv.tag), None))
             else:
                 flat = torch.empty(pieces[0].nbytes, dtype=torch.uint8)
-                works.append((self.pg.recv([flat], mv["peer"], mv["tag"]), (storages, pieces, flat)))
+                works.append((self.pg.recv([flat], mv.peer, mv.tag), (storages, pieces, flat)))
         for work, into in works:
             work.wait(self.timeout)
             if into is not None:
                 storages, pieces, flat = into
                 unpack(storages, pieces, flat, self.device)
-        return {"bytes": moved}
+        return Moved(moved)
 
-    def op_step(self, phase: str, inputs: list[dict[str, torch.Tensor]], state_instances: list[int],
-                trace: bool = False) -> dict[str, Any]:
-        """Run ``phase``'s program, micro-batch m on state instance ``state_instances[m]``; return the step
-        outputs this device holds."""
-        graph, program, transfers, ex, opcodes, _ = self.phases[phase]
+    def step(self, cmd: Step) -> StepResult:
+        """Run the phase's program, micro-batch m on state instance ``state_instances[m]``; the step outputs
+        this device holds."""
+        graph, program, transfers, ex, opcodes, _ = self.phases[cmd.phase]
         t0 = time.perf_counter()
-        ex.prepare_microbatches(inputs, [self.state[i] for i in state_instances], program.inputs, program.state)
+        ex.prepare_microbatches(cmd.inputs, [self.state[i] for i in cmd.state_instances], program.inputs,
+                                program.state)
         mine = [i for i, t in enumerate(transfers) if t.dst == self.rank]
-        compute, timeline = self._execute(graph, transfers, ex, opcodes, mine, t0, trace)
+        compute, timeline = self._execute(graph, transfers, ex, opcodes, mine, t0, cmd.trace)
         outputs = [self._outputs(graph, program, ex, m) for m in range(program.micro_batches)]
         ex.release()
-        return {"outputs": outputs, "seconds": time.perf_counter() - t0, "compute_s": compute,
-                "timeline": timeline, "t0": t0}
+        return StepResult(outputs, time.perf_counter() - t0, compute, timeline, t0)
 
-    def op_job(self, phase: str, microbatch: int, inputs: dict[str, torch.Tensor], state_instance: int,
-               job: Any = None, trace: bool = False) -> dict[str, Any]:
-        """Run only micro-batch ``microbatch`` of ``phase``'s program (the driver streams micro-batches through
-        the pipeline step after step); return its outputs held here."""
-        graph, program, transfers, ex, _, by_microbatch = self.phases[phase]
+    def job(self, cmd: Job) -> StepResult:
+        """Run only one micro-batch of the phase's program (the driver streams micro-batches through the
+        pipeline step after step); its outputs held here."""
+        graph, program, transfers, ex, _, by_microbatch = self.phases[cmd.phase]
+        m = cmd.microbatch
         t0 = time.perf_counter()
-        ex.prepare_microbatch(microbatch, inputs, self.state[state_instance], program.inputs, program.state)
-        mine = [i for i, t in enumerate(transfers) if t.dst == self.rank and t.microbatch == microbatch]
-        compute, timeline = self._execute(graph, transfers, ex, by_microbatch[microbatch], mine, t0, trace)
-        outputs = self._outputs(graph, program, ex, microbatch)
-        ex.release(microbatch)
-        return {"job": job, "outputs": [outputs], "seconds": time.perf_counter() - t0, "compute_s": compute,
-                "timeline": timeline, "t0": t0}
+        ex.prepare_microbatch(m, cmd.inputs, self.state[cmd.state_instance], program.inputs, program.state)
+        mine = [i for i, t in enumerate(transfers) if t.dst == self.rank and t.microbatch == m]
+        compute, timeline = self._execute(graph, transfers, ex, by_microbatch[m], mine, t0, cmd.trace)
+        outputs = self._outputs(graph, program, ex, m)
+        ex.release(m)
+        return StepResult([outputs], time.perf_counter() - t0, compute, timeline, t0, cmd.key)
 
     def _execute(self, graph, transfers, ex, opcodes, receives: list[int], t0: float,
                  trace: bool) -> tuple[float, list[tuple]]:
@@ -289,39 +304,43 @@ class Worker:
         views = {name: ex.view(TensorRef.from_json(graph.outputs[name])) for name in program.outputs}
         return self.arena.put(m, views) if self.arena is not None else {n: v.cpu().clone() for n, v in views.items()}
 
-    def op_stop(self) -> dict[str, Any]:
-        return {}
+    def stop(self, cmd: Stop) -> Done:
+        """Nothing: the worker loop leaves after replying."""
+        return Done()
 
     # probes (tessera.runtime.probe): what the simulator needs to know about this pool ---------------------
-    def op_probe_link(self, peer: int, sizes: list[int], repeats: int, lead: bool) -> dict[str, Any]:
-        """Ping-pong with rank ``peer`` of the current process group; the lead's median round trip per size."""
-        from tessera.runtime.probe import ping_pong
+    def probe_link(self, cmd: ProbeLink) -> RoundTrips:
+        """Ping-pong with a peer of the current process group; the lead's median round trip per size."""
+        return RoundTrips(ping_pong(self.pg, cmd.peer, cmd.sizes, cmd.repeats, cmd.lead, self.timeout))
 
-        return {"round_trip_s": ping_pong(self.pg, peer, sizes, repeats, lead, self.timeout)}
+    def probe_messages(self, cmd: ProbeMessages) -> MessageTimes:
+        """A burst of messages each way with a peer; this side's CPU seconds per message."""
+        return message_burst(self.pg, cmd.peer, cmd.count, cmd.nbytes, self.timeout)
 
-    def op_probe_messages(self, peer: int, count: int, nbytes: int) -> dict[str, Any]:
-        """A burst of ``count`` messages each way with rank ``peer``; this side's CPU seconds per message."""
-        from tessera.runtime.probe import message_burst
+    def echo(self, cmd: Echo) -> Echoed:
+        """Outputs of the asked size and number, returned as step outputs are."""
+        t = torch.zeros(cmd.nbytes // 4, dtype=torch.float32)
+        return Echoed([self.arena.put(m, {"echo": t}) if self.arena is not None else {"echo": t.clone()}
+                       for m in range(cmd.micro_batches)])
 
-        return message_burst(self.pg, peer, count, nbytes, self.timeout)
-
-    def op_echo(self, nbytes: int = 0, micro_batches: int = 0) -> dict[str, Any]:
-        """A reply carrying ``micro_batches`` outputs of ``nbytes`` each, returned as step outputs are."""
-        t = torch.zeros(nbytes // 4, dtype=torch.float32)
-        return {"outputs": [self.arena.put(m, {"echo": t}) if self.arena is not None else {"echo": t.clone()}
-                            for m in range(micro_batches)]}
-
-    def op_time_program(self, graph: KernelGraph, program: Program, weights_path: str | list[str],
-                        inputs: list[dict[str, torch.Tensor]], passes: int, warmup: int,
-                        min_seconds: float = 0.0, pause_s: float = 0.0) -> dict[str, Any]:
-        """Every kernel of one device ``program`` timed inside steps here (its weights loaded for the call)."""
-        from tessera.runtime.probe import time_program, zero_state
+    def time_program(self, cmd: TimeProgram) -> KernelSeconds:
+        """Every kernel of one device program timed inside steps here (its weights loaded for the call)."""
         from tessera.weights import load_graph_weights
 
-        weights = load_graph_weights(graph, weights_path, program.weights)
-        state = [zero_state(graph, program.state) for _ in inputs]
-        return {"seconds": time_program(graph, program, weights, inputs, state, passes, warmup, min_seconds,
-                                        str(self.device), pause_s)}
+        graph, program = cmd.graph, cmd.program
+        weights = load_graph_weights(graph, cmd.weights_path, program.weights)
+        state = [zero_state(graph, program.state) for _ in cmd.inputs]
+        return KernelSeconds(time_program(graph, program, weights, cmd.inputs, state, cmd.passes, cmd.warmup,
+                                          cmd.min_seconds, str(self.device), cmd.pause_s))
+
+
+# the handler of each command type (Worker.handle)
+HANDLERS: dict[type[Command], Callable[[Worker, Any], Reply]] = {
+    Ping: Worker.ping, Connect: Worker.connect, Load: Worker.load, SetState: Worker.set_state,
+    GetState: Worker.get_state, Move: Worker.move, Step: Worker.step, Job: Worker.job, Stop: Worker.stop,
+    ProbeLink: Worker.probe_link, ProbeMessages: Worker.probe_messages, Echo: Worker.echo,
+    TimeProgram: Worker.time_program,
+}
 
 
 _RUN, _FREE, _SEND, _RECV = range(4)
@@ -374,14 +393,14 @@ class _StoreCommands:
             time.sleep(nap(waited))
         return True
 
-    def receive(self) -> dict[str, Any]:
+    def receive(self) -> bytes:
         key = f"cmd/{self.worker}/{self.seq}"
-        cmd = pickle.loads(self.store.get(key))
+        data = self.store.get(key)
         self.store.delete_key(key)
-        return cmd
+        return data
 
-    def reply(self, reply: dict[str, Any]) -> None:
-        self.store.set(f"reply/{self.worker}/{self.seq}", pickle.dumps(reply))
+    def reply(self, data: bytes) -> None:
+        self.store.set(f"reply/{self.worker}/{self.seq}", data)
         self.seq += 1
 
 
@@ -394,15 +413,19 @@ class _PipeCommands:
     def wait(self, timeout_s: float) -> bool:
         return self.conn.poll(timeout_s)
 
-    def receive(self) -> dict[str, Any]:
-        return pickle.loads(self.conn.recv_bytes())
+    def receive(self) -> bytes:
+        return self.conn.recv_bytes()
 
-    def reply(self, reply: dict[str, Any]) -> None:
-        self.conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+    def reply(self, data: bytes) -> None:
+        self.conn.send_bytes(data)
+
+
+def _failure(e: Exception) -> Failure:
+    return Failure(f"{type(e).__name__}: {e}", traceback.format_exc())
 
 
 def worker_main(cfg: WorkerConfig, store: dist.Store | None = None, conn=None) -> None:
-    """The worker loop: wait for a command, run it, send the reply; until ``stop`` or the driver is gone.
+    """The worker loop: wait for a command, run it, send the reply; until :class:`Stop` or the driver is gone.
     ``store``: the driver's store (torchrun's rendezvous), else a client of ``cfg.host:cfg.port``; ``conn``:
     a pipe to a local driver for commands and replies (else they go through the store)."""
     torch.set_num_threads(cfg.threads)
@@ -420,16 +443,22 @@ def worker_main(cfg: WorkerConfig, store: dist.Store | None = None, conn=None) -
                     return
                 continue
             try:
-                cmd = commands.receive()
+                data = commands.receive()
             except (EOFError, OSError):  # the driver closed the pipe
                 return
+            cmd = None
             try:
-                reply = {"ok": True, **worker.handle(cmd)}
+                cmd = decode(data)
+                reply = worker.handle(cmd)
             except Exception as e:  # noqa: BLE001 - every failure goes back to the driver, which decides
-                reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-            commands.reply(reply)
+                reply = _failure(e)
+            try:
+                data = encode(reply)
+            except Exception as e:  # noqa: BLE001 - a reply that cannot travel (e.g. not picklable)
+                data = encode(_failure(e))
+            commands.reply(data)
             idle_since = time.monotonic()
-            if cmd["op"] == "stop":
+            if isinstance(cmd, Stop):
                 return
     finally:
         stop.set()

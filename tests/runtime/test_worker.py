@@ -1,0 +1,69 @@
+"""The worker's dispatch: every command type has a handler, and a command the worker does not know (or bytes
+that are no command) gets a clear error back to the driver, after which the worker goes on answering."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tessera.runtime import commands as c
+from tessera.runtime.pool import WorkerFailed
+from tessera.runtime.wire import decode, encode
+from tessera.runtime.worker import HANDLERS, Worker, WorkerConfig, worker_main
+
+
+@dataclass(frozen=True)
+class Teleport(c.Command):
+    """A command no worker has a handler for."""
+
+    where: str = "moon"
+
+
+def test_every_command_has_a_handler():
+    assert set(HANDLERS) == set(c.COMMANDS)
+
+
+@pytest.mark.parametrize("cmd", [Teleport(), c.Pong(1, 1, "cpu"), {"op": "ping"}], ids=["new", "reply", "dict"])
+def test_a_command_the_worker_does_not_know_is_refused_clearly(cmd):
+    worker = Worker(WorkerConfig(7, "127.0.0.1", 0, 1), store=None)
+    name = type(cmd).__name__
+    with pytest.raises(c.UnknownCommand, match=rf"worker 7 does not know the command {name} \(commands: Ping, "):
+        worker.handle(cmd)
+    assert isinstance(worker.handle(c.Ping()), c.Pong)
+
+
+def test_the_worker_loop_answers_unknown_commands_with_a_failure_and_goes_on():
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    driver, theirs = multiprocessing.Pipe(duplex=True)
+    cfg = WorkerConfig(0, "127.0.0.1", store.port, torch.get_num_threads())
+    loop = threading.Thread(target=worker_main, args=(cfg, store, theirs), daemon=True)
+    loop.start()
+
+    def ask(data: bytes):
+        driver.send_bytes(data)
+        assert driver.poll(10.0)
+        return decode(driver.recv_bytes())
+
+    garbled = ask(b"\x80\x05garbage")
+    assert isinstance(garbled, c.Failure) and garbled.error.startswith("ProtocolError: unreadable message")
+    unknown = ask(encode(c.Pong(1, 1, "cpu")))
+    assert isinstance(unknown, c.Failure)
+    assert unknown.error.startswith("UnknownCommand: worker 0 does not know the command Pong")
+    assert "Traceback" in unknown.traceback
+    assert isinstance(ask(encode(c.Ping())), c.Pong)
+    assert isinstance(ask(encode(c.Stop())), c.Done)
+    loop.join(10.0)
+    assert not loop.is_alive()
+
+
+def test_a_pool_worker_sent_an_unknown_command_fails_it_and_keeps_serving(pool):
+    with pytest.raises(WorkerFailed, match="does not know the command Connected"):
+        pool.call({0: c.Connected(0)}, 30.0)
+    replies = pool.call({w: c.Ping() for w in pool.alive}, 30.0)
+    assert all(isinstance(r, c.Pong) for r in replies.values())
