@@ -14,9 +14,10 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from tessera.capture.ptx.analyze import KernelAccess, analyze_ptx
+from tessera.capture.ptx.analyze import analyze_ptx
 from tessera.capture.ptx.extract import extract_ptx
 from tessera.capture.ptx.instrument import instrument_ptx
+from tessera.capture.ptx.results import KernelAccess
 from tessera.console import out as _out
 from tessera.console import print_error as _warn
 from tessera.errors import TesseraError

@@ -564,12 +564,12 @@ def test_freshly_compiled_sources_give_the_same_answers(tmp_path):
 
 
 def test_an_internal_failure_gives_the_conservative_answer(monkeypatch):
-    from tessera.capture.ptx import analyze as A
+    from tessera.capture.ptx.dataflow import FunctionDataflow
 
     def boom(self):
         raise RuntimeError("simulated bug")
 
-    monkeypatch.setattr(A._FnAnalysis, "fixpoint", boom)
+    monkeypatch.setattr(FunctionDataflow, "solve", boom)
     kernels, errors = analyze_ptx((UNIT / "nvrtc.sm_80.ptx").read_text(), "n.ptx")
     assert len(kernels) == 3 and len(errors) == 3
     assert "simulated bug" in errors[0].message and str(errors[0]).startswith("n.ptx:")

@@ -10,19 +10,12 @@ ranges a launch really touches.
   `instrument`);
 - `extract` (PTX from binaries through cuobjdump, Triton kernels), `instrument` (range recording)
   and `cli` (`tessera ptx analyze|instrument`) are separate modules, imported on use.
+
+The result records live in `results`; `analyze` is the analysis' entry point, and its docstring names
+the modules of each step (and where each step's rules are written down).
 """
 
-from tessera.capture.ptx.analyze import (
-    ACCESSES,
-    KINDS,
-    AccessSite,
-    FieldAccess,
-    KernelAccess,
-    ParamAccess,
-    access_sites,
-    analyze_module,
-    analyze_ptx,
-)
+from tessera.capture.ptx.analyze import access_sites, analyze_module, analyze_ptx
 from tessera.capture.ptx.parse import (
     Function,
     Instruction,
@@ -32,6 +25,7 @@ from tessera.capture.ptx.parse import (
     PtxSyntaxError,
     parse_ptx,
 )
+from tessera.capture.ptx.results import ACCESSES, KINDS, AccessSite, FieldAccess, KernelAccess, ParamAccess
 
 __all__ = [
     "ACCESSES", "KINDS", "AccessSite", "FieldAccess", "Function", "Instruction", "KernelAccess", "Module",
