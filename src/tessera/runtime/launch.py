@@ -13,6 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from tessera.capture.models import resolve_model
 from tessera.capture.pretrained import weights_dir
 from tessera.cost.profile import Profile
@@ -24,6 +27,7 @@ from tessera.runtime.pool import RuntimeSetupError, WorkerPool
 from tessera.runtime.session import (
     RunPlacement,
     cache_context,
+    distributed_runner_fn,
     host_profile,
     plan_file_placement,
     policy_placement,
@@ -54,8 +58,6 @@ class Run:
 
     def generate(self, emit: Callable[[int], None] | None = None) -> list[int]:
         """Generate up to ``max_tokens`` new tokens on the workers (``emit`` is called with each)."""
-        from tessera.runtime.session import distributed_runner_fn
-
         return generate(distributed_runner_fn(self.runner), self.ids, self.config.max_tokens,
                         self.tokenizer.eos_token_id, self.config.sampling(), emit)
 
@@ -111,8 +113,6 @@ def start_run(config: RunConfig, prompt: str, say: Callable[[str], None], log: C
 
 def eager_tokens(run: Run) -> list[int]:
     """The tokens a single-process eager run generates at the same shapes, threads and sampling."""
-    import torch
-
     from tessera.capture.eager import EagerRunner
     from tessera.capture.pretrained import load_pretrained
 
@@ -133,8 +133,6 @@ def torchrun_rank() -> int | None:
 
 def attach_torchrun(workers: int, threads: int) -> WorkerPool:
     """Rank 0's pool over torchrun's ranks 1..N (checked against the cluster's worker count)."""
-    import torch.distributed as dist
-
     world = int(os.environ["WORLD_SIZE"])
     if world - 1 != workers:
         raise RuntimeSetupError(f"torchrun started {world} processes: rank 0 drives and {world - 1} work, but "
@@ -145,8 +143,6 @@ def attach_torchrun(workers: int, threads: int) -> WorkerPool:
 
 def serve_torchrun_worker(rank: int, threads: int | None) -> None:
     """Serve as worker ``rank - 1`` of a torchrun job until the driver closes it."""
-    import torch.distributed as dist
-
     from tessera.runtime.worker import WorkerConfig, worker_main
 
     store, _, world = next(dist.rendezvous("env://"))
