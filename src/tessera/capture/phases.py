@@ -8,9 +8,11 @@ import torch
 
 from tessera.capture.build import instantiate
 from tessera.capture.models import ModelSpec, load_config, resolve_model
+from tessera.capture.production import FusionReport, apply_production, check_graph, fusion_of
 from tessera.capture.shapes import (
     DEFAULT_BATCH,
     DEFAULT_CTX,
+    DEFAULT_GRAPH,
     DEFAULT_IMAGE,
     DEFAULT_RESOLUTION,
     DEFAULT_SEQ,
@@ -72,38 +74,55 @@ def check_phase(spec: ModelSpec, phase: str) -> None:
 
 
 def build_modules(spec: ModelSpec, device: str = "meta", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                  config=None):
-    """The model's modules (one root, or a pipeline's components) and their constants' host values."""
+                  config=None, graph: str = DEFAULT_GRAPH):
+    """The model's modules (one root, or a pipeline's components) and their constants' host values,
+    rewired for the ``graph`` kind (`tessera.capture.production`)."""
+    check_graph(graph)
     if spec.family == "diffusion":
         from tessera.capture.families.diffusion import build_sd3_components
 
         configs = {c: load_config(spec, c) for c in spec.components if c != "scheduler"}
-        return build_sd3_components(configs, device=device, dtype=dtype, seed=seed)
+        modules, values = build_sd3_components(configs, device=device, dtype=dtype, seed=seed)
+        # Diffusion pipelines are served as diffusers runs them (eager, SDPA): its graph is the production one.
+        modules.tessera_fusion = FusionReport(graph)
+        return modules, values
     config = load_config(spec) if config is None else config
-    return instantiate(lambda: build_model(spec.family, config, dtype), device, seed=seed)
+    return instantiate(lambda: build_model(spec.family, config, dtype, graph), device, seed=seed)
 
 
-def build_model(family: str, config, dtype: torch.dtype = torch.bfloat16):
-    """A transformers model of ``family`` for ``config``, wired to Tessera's kernels."""
+def build_model(family: str, config, dtype: torch.dtype = torch.bfloat16, graph: str = DEFAULT_GRAPH):
+    """A transformers model of ``family`` for ``config``, wired to Tessera's kernels for the ``graph`` kind."""
     if family in ("llm", "moe"):
         from tessera.capture.families.llm import build_causal_lm
 
-        return build_causal_lm(config, dtype)
-    if family == "ssm":
+        model = build_causal_lm(config, dtype)
+    elif family == "ssm":
         from tessera.capture.families.ssm import build_mamba2
 
-        return build_mamba2(config, dtype)
-    if family == "vlm":
+        model = build_mamba2(config, dtype)
+    elif family == "vlm":
         from tessera.capture.families.vlm import build_vlm
 
-        return build_vlm(config, dtype)
-    raise PhaseError(f"family {family!r} has no single-model builder")
+        model = build_vlm(config, dtype)
+    else:
+        raise PhaseError(f"family {family!r} has no single-model builder")
+    apply_production(model, config, graph)
+    return model
 
 
 def step_for(spec: ModelSpec, modules, constant_values, phase: str, shape: StepShape, device: str = "meta",
              inputs: dict[str, torch.Tensor] | None = None,
              state: dict[str, torch.Tensor] | None = None) -> Step:
-    """The Step of ``phase`` for already-built modules."""
+    """The Step of ``phase`` for already-built modules (its meta says which graph kind they run)."""
+    step = _family_step(spec, modules, constant_values, phase, shape, device, inputs, state)
+    report = fusion_of(modules)
+    if report is not None:
+        step.meta.update(report.to_meta())
+    return step
+
+
+def _family_step(spec: ModelSpec, modules, constant_values, phase: str, shape: StepShape, device: str,
+                 inputs: dict[str, torch.Tensor] | None, state: dict[str, torch.Tensor] | None) -> Step:
     check_phase(spec, phase)
     common = dict(model_name=spec.name, phase=phase, batch=shape.batch, device=device, inputs=inputs)
     if spec.family in ("llm", "moe"):
@@ -128,16 +147,19 @@ def step_for(spec: ModelSpec, modules, constant_values, phase: str, shape: StepS
 
 def make_step(model: str, phase: str, *, batch: int | None = None, seq: int | None = None,
               ctx: int | None = None, image: tuple[int, int] | None = None,
-              resolution: tuple[int, int] | None = None, device: str = "meta", slots: int | None = None) -> Step:
-    """Resolve ``model`` (checked first), validate phase and shapes, build it and return the Step (its state
-    with ``slots`` rows, default the batch)."""
+              resolution: tuple[int, int] | None = None, device: str = "meta", slots: int | None = None,
+              graph: str = DEFAULT_GRAPH) -> Step:
+    """Resolve ``model`` (checked first), validate phase and shapes, build it for the ``graph`` kind and
+    return the Step (its state with ``slots`` rows, default the batch)."""
     spec = resolve_model(model)
     check_phase(spec, phase)
+    check_graph(graph)
     config = load_config(spec)
     shape = resolve_shape(spec, config, phase, batch, seq, ctx, image, resolution, slots)
     if device != "meta" and spec.params and spec.params * 2 > MAX_HOST_BUILD_BYTES:
         raise ShapeError(f"{spec.name} has {spec.params:,} parameters ({spec.params * 2 / 2**30:.1f} GiB in "
                          f"bf16): too large to build with random weights on {device}; trace it on meta")
-    modules, values = build_modules(spec, device, config=None if spec.family == "diffusion" else config)
+    modules, values = build_modules(spec, device, config=None if spec.family == "diffusion" else config,
+                                    graph=graph)
     return step_for(spec, modules, values, phase, shape, device)
 

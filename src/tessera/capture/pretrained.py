@@ -10,6 +10,7 @@ from torch import nn
 from tessera.capture.build import instantiate
 from tessera.capture.models import ModelSpec, load_config, resolve_model
 from tessera.capture.phases import build_model
+from tessera.capture.shapes import DEFAULT_GRAPH
 from tessera.capture.smollm2 import smollm2_dir
 from tessera.errors import TesseraError
 from tessera.weights import load_weights
@@ -26,12 +27,14 @@ def weights_dir(spec: ModelSpec) -> Path:
                        "directory with *.safetensors files")
 
 
-def load_pretrained(model: str, dtype: torch.dtype = torch.bfloat16) -> tuple[ModelSpec, nn.Module, dict]:
-    """Build ``model`` on the CPU and load its real weights; returns (spec, module, constant values)."""
+def load_pretrained(model: str, dtype: torch.dtype = torch.bfloat16,
+                    graph: str = DEFAULT_GRAPH) -> tuple[ModelSpec, nn.Module, dict]:
+    """Build ``model`` on the CPU for the ``graph`` kind and load its real weights; returns (spec, module,
+    constant values)."""
     spec = resolve_model(model)
     folder = weights_dir(spec)
     config = load_config(resolve_model(str(folder))) if spec.name == "smollm2-135m" else load_config(spec)
-    module, values = instantiate(lambda: build_model(spec.family, config, dtype), "cpu")
+    module, values = instantiate(lambda: build_model(spec.family, config, dtype, graph), "cpu")
     state = {}
     for f in sorted(folder.glob("*.safetensors")):
         state.update(load_weights(f))

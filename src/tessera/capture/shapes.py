@@ -16,3 +16,8 @@ DEFAULT_SEQ = 512
 DEFAULT_CTX = 2048
 DEFAULT_IMAGE = (504, 504)
 DEFAULT_RESOLUTION = (1024, 1024)
+
+GRAPHS = ("production", "eager")
+"""Which kernel graph a model step traces: ``production`` (fused units like a serving engine's, weights in
+the model's deployed format) or ``eager`` (Hugging Face's / diffusers' reference forward, op by op)."""
+DEFAULT_GRAPH = "production"

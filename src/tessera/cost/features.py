@@ -11,10 +11,11 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
+import tessera.kernels  # noqa: F401  (the fused ops declare their GEMM shapes when registered)
 from tessera.cost.options import CostOptions
 from tessera.cost.routing import RoutingDistribution
 from tessera.graph.ir import Access, Kernel, KernelGraph
-from tessera.graph.opclass import op_base_name
+from tessera.graph.opclass import FUSED, op_base_name
 
 COST_CLASSES = ("gemm", "gemv", "grouped_gemm", "attention", "conv", "embedding", "reduction", "scan", "copy",
                 "elementwise")
@@ -29,6 +30,9 @@ def gemm_dims(kernel: Kernel) -> tuple[int, int, int, int] | None:
     """(batch, M rows, N columns, K depth) of a matrix-multiply kernel, None for other kernels."""
     name, s = op_base_name(kernel.op), kernel.shapes
     try:
+        info = FUSED.get(name)
+        if info is not None:
+            return info.gemm(s) if info.gemm is not None else None
         if name in ("mm", "matmul") and len(s[0]) == 2:
             return 1, s[0][0], s[1][1], s[0][1]
         if name == "addmm":

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -36,6 +39,35 @@ _BY_NAME = {
 _CLASS_OF = {name: cls for cls, names in _BY_NAME.items() for name in names}
 
 
+@dataclass(frozen=True)
+class FusedOpInfo:
+    """What the cost model needs to know about a fused (custom) op, declared next to its definition.
+
+    ``flops(args, kwargs, out)`` counts its floating-point operations from the op's arguments at trace
+    time; ``gemm(shapes)`` gives (batch, M, N, K) of a matrix-multiply unit from the shapes of its tensor
+    arguments in order, as a recorded kernel lists them.
+    """
+
+    op_class: str
+    flops: Callable[[tuple, dict, Any], int] | None = None
+    gemm: Callable[[list[list[int]]], tuple[int, int, int, int]] | None = None
+
+
+FUSED: dict[str, FusedOpInfo] = {}
+
+
+def register_fused(name: str, op_class: str, *, flops: Callable[[tuple, dict, Any], int] | None = None,
+                   gemm: Callable[[list[list[int]]], tuple[int, int, int, int]] | None = None) -> None:
+    """Declare the class, FLOP formula and GEMM shape of the fused op ``name`` (its base name, e.g.
+    ``merged_linear``); a second registration of the same name must agree with the first."""
+    if op_class not in OP_CLASSES:
+        raise ValueError(f"fused op {name!r}: unknown op class {op_class!r} (one of {', '.join(OP_CLASSES)})")
+    info = FusedOpInfo(op_class, flops, gemm)
+    if name in FUSED and FUSED[name].op_class != op_class:
+        raise ValueError(f"fused op {name!r} registered twice with different classes")
+    FUSED[name] = info
+
+
 def op_base_name(op: str) -> str:
     """``aten.mm.default`` -> ``mm``; ``tessera.decode_attention.default`` -> ``decode_attention``."""
     parts = op.split(".")
@@ -44,7 +76,9 @@ def op_base_name(op: str) -> str:
 
 def op_class(op: str) -> str:
     """The class of a kernel by its op name (elementwise when nothing more specific applies)."""
-    return _CLASS_OF.get(op_base_name(op), "elementwise")
+    name = op_base_name(op)
+    info = FUSED.get(name)
+    return info.op_class if info is not None else _CLASS_OF.get(name, "elementwise")
 
 
 def _numel(t) -> int:
@@ -61,6 +95,9 @@ def flops_of(func, args, kwargs, out) -> int:
     """Floating-point operations of one kernel (multiply-add = 2), from shapes only."""
     name = op_base_name(str(func))
     try:
+        info = FUSED.get(name)
+        if info is not None and info.flops is not None:
+            return int(info.flops(args, kwargs, out))
         if name in ("scaled_dot_product_attention", "prefill_attention", "decode_attention"):
             return _attention_flops(args[0], args[1], args[2])
         if name == "segment_attention":  # block-diagonal: only within-segment pairs

@@ -1,4 +1,4 @@
-"""Tessera's own fused kernels, registered as `torch.library` custom ops.
+"""Fused attention kernels.
 
 Attention over the engine-owned KV cache is one kernel per layer, like the fused attention kernels of
 vLLM or SGLang: `tessera::prefill_attention` (causal, over the new tokens) and
