@@ -204,8 +204,15 @@ def _static_vision(visual: nn.Module) -> Iterator[None]:
     """Within the block, ``visual(pixels, consts)`` runs the host-grid vision forward.
 
     The modules are still called (not their functions), so a trace attributes kernels to the tower's
-    and each block's module scope; the Hugging Face forwards are restored on exit.
+    and each block's module scope; the Hugging Face forwards are restored on exit. A tower rewired for
+    the production graph (`tessera.capture.production.qwen2_5_vl`) already takes the host-grid
+    arguments and is left as it is.
     """
+    from tessera.capture.production.qwen2_5_vl import is_production_vision
+
+    if is_production_vision(visual):
+        yield
+        return
     patched = [visual] + [block.attn for block in visual.blocks]
     visual.forward = functools.partial(_vision_forward, visual)
     for block in visual.blocks:
