@@ -5,7 +5,9 @@ rotary position of every patch, the attention windows, the order tokens are perm
 windowed attention) is computed on the host before the step and handed to it as constants. The
 vision tower therefore runs here with host-known shapes: every block attends with one
 `tessera::segment_attention` kernel over the host-known window (or image) lengths, counted for the
-within-segment pairs only. The text decoder is Hugging Face's, routed through
+within-segment pairs only. In the production graph (`tessera.capture.production.qwen2_5_vl`) the
+tower's modules run Tessera's fused vision units (about 10 kernels a block); with ``graph="eager"`` they
+run Hugging Face's forwards op by op (about 40 a block). The text decoder is Hugging Face's, routed through
 Tessera's attention kernels; its multimodal rotary positions (``position_ids`` [3,B,S]) are inputs
 computed on the host for the known prompt layout (`mrope_position_ids`).
 """
@@ -204,8 +206,15 @@ def _static_vision(visual: nn.Module) -> Iterator[None]:
     """Within the block, ``visual(pixels, consts)`` runs the host-grid vision forward.
 
     The modules are still called (not their functions), so a trace attributes kernels to the tower's
-    and each block's module scope; the Hugging Face forwards are restored on exit.
+    and each block's module scope; the Hugging Face forwards are restored on exit. A tower rewired for
+    the production graph (`tessera.capture.production.qwen2_5_vl`) already takes the host-grid
+    arguments and is left as it is.
     """
+    from tessera.capture.production.qwen2_5_vl import is_production_vision
+
+    if is_production_vision(visual):
+        yield
+        return
     patched = [visual] + [block.attn for block in visual.blocks]
     visual.forward = functools.partial(_vision_forward, visual)
     for block in visual.blocks:
