@@ -87,6 +87,8 @@ def test_gpt_oss_block_matches_hugging_face():
     with torch.no_grad():
         expected, expected_scores = ref(x[None])
         _close(moe_forward(mlp, x), expected[0])
+        assert "forward" not in vars(mlp)  # moe_forward leaves the block's own forward to its caller
+        apply_moe(mlp)
         out, scores = mlp(x[None])  # the rewired block keeps Hugging Face's return value
     _close(out, expected)
     assert torch.equal(scores, expected_scores)

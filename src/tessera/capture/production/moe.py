@@ -8,14 +8,15 @@ kernels in all (`tessera.kernels.moe`):
     tessera::topk_gating                            }
     tessera::moe_align                              } in the experts' scope (``...mlp.experts``)
     tessera::moe_gemm | moe_mxfp4_gemm (gate/up)    }
-    tessera::swigluoai_and_mul | moe_silu_and_mul   }
+    tessera::swigluoai_and_mul | silu_and_mul       }
     tessera::moe_gemm | moe_mxfp4_gemm (down)       }
     tessera::moe_sum                                }
 
-It calls the router and the experts as modules, so a trace attributes each kernel to its module scope;
-`apply_moe(mlp)` rewires the three modules' forwards (instance by instance, parameter names unchanged)
-so that calling ``mlp(hidden)`` from Hugging Face's decoder layer runs the same kernels and returns what
-Hugging Face's block returns.
+It calls the router and the experts as modules, so a trace attributes each kernel to its module scope
+(`prepare_moe` rewires those two modules' forwards, instance by instance, parameter names unchanged; it
+runs on first use). A caller that replaces ``mlp.forward`` itself (the production decoder) calls
+``moe_forward(mlp, hidden.reshape(-1, H))`` from it; `apply_moe(mlp)` instead makes ``mlp(hidden)``, as
+Hugging Face's decoder layer calls it, run the same kernels and return what Hugging Face's block returns.
 
 MXFP4: `Mxfp4Experts` holds gpt-oss experts in the checkpoint's packed format (``gate_up_proj_blocks``
 uint8 [E, 2I, H/32, 16], ``gate_up_proj_scales`` uint8 [E, 2I, H/32], ``down_proj_blocks`` [E, H, I/32, 16],
@@ -136,6 +137,15 @@ def router_forward(router: nn.Module, hidden_states: torch.Tensor):
     return logits, weights, ids
 
 
+def _silu_and_mul():
+    """`tessera::silu_and_mul` (kernels/activation.py) where it is registered, else this module's own
+    `tessera::moe_silu_and_mul` (same body: silu of the first half times the second)."""
+    try:
+        return torch.ops.tessera.silu_and_mul
+    except AttributeError:
+        return torch.ops.tessera.moe_silu_and_mul
+
+
 def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """`tessera::moe_align`, the two grouped GEMMs around the activation, `tessera::moe_sum`. -> [T,H]."""
@@ -154,15 +164,16 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
         h = ops.moe_gemm(h, experts.down_proj, offsets, None, experts.down_proj_bias, top_k, True)
     else:  # Qwen3MoeExperts: [E,2I,H] concatenated gate | up, no biases
         h = ops.moe_gemm(hidden_states, experts.gate_up_proj, offsets, perm, None, top_k, False)
-        h = ops.moe_silu_and_mul(h)
+        h = _silu_and_mul()(h)
         h = ops.moe_gemm(h, experts.down_proj, offsets, None, None, top_k, False)
     return ops.moe_sum(h, perm, top_k_weights)
 
 
 def moe_forward(mlp: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The MoE block of one layer on hidden [T,H] -> [T,H], as seven kernels in the router's and the
-    experts' module scopes (rewires ``mlp``'s submodules with `apply_moe` on first use)."""
-    apply_moe(mlp)
+    experts' module scopes. On first use it rewires the router's and the experts' forwards
+    (`prepare_moe`); ``mlp``'s own forward is left to the caller (see `apply_moe`)."""
+    prepare_moe(mlp)
     _, weights, ids = _router_module(mlp)(hidden)
     return mlp.experts(hidden, ids, weights)
 
@@ -176,18 +187,28 @@ def _mlp_forward(mlp: nn.Module, hidden_states: torch.Tensor):
     return (out, weights) if hasattr(mlp, "router") else out
 
 
-def apply_moe(mlp: nn.Module) -> nn.Module:
-    """Rewire a gpt-oss / Qwen3-MoE block in place (idempotent): its router runs the router GEMM and
-    `tessera::topk_gating`, its experts the MoE kernels, and ``mlp(hidden [B,S,H])`` returns what Hugging
-    Face's block returns. Parameters and their names are unchanged."""
-    if getattr(mlp, "_tessera_moe", False):
-        return mlp
+def prepare_moe(mlp: nn.Module) -> nn.Module:
+    """Rewire a block's router (router GEMM + `tessera::topk_gating`) and experts (the MoE kernels) in
+    place (idempotent; parameters and names unchanged). Experts swapped later by `apply_mxfp4` run their
+    own forward, the same kernels on MXFP4 weights."""
     router = _router_module(mlp)
-    router.forward = types.MethodType(router_forward, router)
-    if not isinstance(mlp.experts, Mxfp4Experts):
-        mlp.experts.forward = types.MethodType(experts_forward, mlp.experts)
-    mlp.forward = types.MethodType(_mlp_forward, mlp)
-    mlp._tessera_moe = True
+    if not getattr(router, "_tessera_moe", False):
+        router.forward = types.MethodType(router_forward, router)
+        router._tessera_moe = True
+    experts = mlp.experts
+    if not isinstance(experts, Mxfp4Experts) and not getattr(experts, "_tessera_moe", False):
+        experts.forward = types.MethodType(experts_forward, experts)
+        experts._tessera_moe = True
+    return mlp
+
+
+def apply_moe(mlp: nn.Module) -> nn.Module:
+    """`prepare_moe`, and ``mlp(hidden [B,S,H])`` itself runs the MoE kernels, returning what Hugging Face's
+    block returns (gpt-oss: (hidden, router scores); Qwen3-MoE: hidden). Idempotent."""
+    prepare_moe(mlp)
+    if not getattr(mlp, "_tessera_moe", False):
+        mlp.forward = types.MethodType(_mlp_forward, mlp)
+        mlp._tessera_moe = True
     return mlp
 
 
