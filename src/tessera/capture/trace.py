@@ -334,7 +334,7 @@ class _Recorder(TorchDispatchMode):
                     bytes_read += nb
                 else:
                     bytes_written += nb
-        traffic = indexed_traffic(func, args, out)
+        traffic = indexed_traffic(func, args, out, kwargs)
         if traffic is not None:
             bytes_read, bytes_written = traffic
         tensor_args = _tensors((args, kwargs))

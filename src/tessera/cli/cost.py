@@ -38,6 +38,7 @@ def estimate(
     eager: bool = opt.EAGER,
     profile: Path = typer.Option(None, "--profile", help="A profile measured on DEVICE (`tessera profile`): its "
                                  "kernel times replace the roofline's."),
+    graph_kind: str = opt.GRAPH,
     as_json: bool = opt.JSON,
 ) -> None:
     """Predict one step's time on one device, with its breakdown by op class and block."""
@@ -53,7 +54,8 @@ def estimate(
         options = CostOptions(weights_dtype=weights_dtype, kv_dtype=kv_dtype, cuda_graphs=not eager)
         prof = Profile.load(profile) if profile else None
         with _err.status(f"tracing {model} {phase} and estimating on {spec.id}..."):
-            graph = trace_model(model, phase, batch=batch, seq=seq, ctx=ctx, image=image, resolution=resolution)
+            graph = trace_model(model, phase, batch=batch, seq=seq, ctx=ctx, image=image, resolution=resolution,
+                                graph=graph_kind)
             cm = CostModel(spec, options, prof)
             est = cm.estimate(graph)
     except TesseraError as e:
@@ -160,6 +162,7 @@ def census(
                               "census_<model>_<devA>_<devB>.png in the current directory)."),
     plot_by: str = typer.Option("phase", "--plot-by", help="One CDF curve per phase, class or block."),
     no_plot: bool = typer.Option(False, "--no-plot", help="Do not write the PNG."),
+    graph_kind: str = opt.GRAPH,
     as_json: bool = opt.JSON,
 ) -> None:
     """Which kernels are predicted faster on each of two devices: shares by class, block and phase, and a plot."""
@@ -177,7 +180,7 @@ def census(
         options = CostOptions(weights_dtype=weights_dtype, kv_dtype=kv_dtype, cuda_graphs=not eager)
         with _err.status(f"tracing {model}...") as status:
             result = run_census(model, (spec_a, spec_b), chosen, options=options, batch=batch, seq=seq, ctx=ctx,
-                                image=image, resolution=resolution,
+                                image=image, resolution=resolution, graph=graph_kind,
                                 progress=lambda p: status.update(f"tracing {model} {p} and predicting on "
                                                                  f"{spec_a.id} and {spec_b.id}..."))
         target = None

@@ -81,9 +81,10 @@ def trace(
     resolution: str = opt.RESOLUTION,
     device: str = typer.Option("meta", "--device", help="meta (no memory, any size) or cpu (random weights)."),
     output: Path = typer.Option(None, "--output", "-o", help="Write the versioned graph JSON here."),
+    graph_kind: str = opt.GRAPH,
     as_json: bool = opt.JSON,
 ) -> None:
-    """Trace one model step into a KernelGraph and print its summary."""
+    """Trace one model step into a KernelGraph and print its summary (and which parts fell back to eager)."""
     from tessera.capture.api import trace_model
     from tessera.capture.models import resolve_model
     from tessera.graph.summary import summarize
@@ -92,7 +93,7 @@ def trace(
         spec = resolve_model(model)
         with err.status(f"building {spec.name} on {device} and tracing its {phase} step..."):
             graph = trace_model(model, phase, batch=batch, seq=seq, ctx=ctx, image=image, resolution=resolution,
-                                device=device)
+                                device=device, graph=graph_kind)
         if output:
             graph.save(output)
     except TesseraError as e:
@@ -108,7 +109,7 @@ def trace(
 
 def _print_summary(s: dict) -> None:
     shape = ", ".join(f"{k} {v}" for k, v in s["shape"].items())
-    table = Table(title=f"{s['model']} {s['phase']} ({shape}) - graph {s['hash']}")
+    table = Table(title=f"{s['model']} {s['phase']} ({shape}) - {s['graph_kind']} graph {s['hash']}")
     for col in ("op class", "kernels", "FLOPs", "bytes moved"):
         table.add_column(col, justify="left" if col == "op class" else "right")
     for cls, row in s["by_class"].items():
@@ -120,6 +121,8 @@ def _print_summary(s: dict) -> None:
               f"{s['buffers']} buffers, {s['accesses']} accesses, edges {s['edges']}; "
               f"traced in {s['trace_seconds']:.3f} s" + (f"; graph written to {s['graph_file']}"
                                                          if "graph_file" in s else ""), highlight=False)
+    for fallback in s["fallbacks"]:
+        out.print(f"[yellow]fallback:[/] {fallback}", highlight=False)
 
 
 @app.command()

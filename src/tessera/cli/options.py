@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import typer
 
-from tessera.capture.shapes import DEFAULT_BATCH, DEFAULT_CTX, DEFAULT_IMAGE, DEFAULT_RESOLUTION, DEFAULT_SEQ
+from tessera.capture.shapes import (
+    DEFAULT_BATCH,
+    DEFAULT_CTX,
+    DEFAULT_GRAPH,
+    DEFAULT_IMAGE,
+    DEFAULT_RESOLUTION,
+    DEFAULT_SEQ,
+    GRAPHS,
+)
 from tessera.cost.options import CostOptions
 from tessera.plan.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_LLM, POLICIES, PlanConfig
 from tessera.workload import DEFAULT_IMAGE_WORKLOAD, DEFAULT_TEXT_WORKLOAD
@@ -30,6 +38,9 @@ KV_DTYPE = typer.Option(_COST.kv_dtype, "--kv-dtype", help="Deployed KV-cache dt
 EAGER = typer.Option(not _COST.cuda_graphs, "--eager", help="Kernels launched one by one (each pays the launch "
                      "latency) instead of from CUDA graphs.")
 JSON = typer.Option(False, "--json", help="Print JSON instead of tables.")
+GRAPH = typer.Option(DEFAULT_GRAPH, "--graph", help=f"Kernel graph to trace: {' | '.join(GRAPHS)} (production: "
+                     "fused units as a serving engine runs them, weights in the deployed format; eager: the "
+                     "Hugging Face reference forward, op by op).")
 
 # planning and simulating a deployment (`tessera plan`, `tessera simulate`)
 CLUSTER = typer.Option(..., "--cluster", help="Devices: shorthand such as A100:1,L40S:1 or a cluster YAML file "

@@ -13,6 +13,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tessera.capture.shapes import DEFAULT_GRAPH
 from tessera.cost.features import COST_CLASSES, FeatureExtractor, block_of
 from tessera.cost.model import CostModel
 from tessera.cost.options import CostOptions
@@ -259,8 +260,9 @@ def census_phases(model: str, phases: Sequence[str] | None = None) -> tuple[str,
 def run_census(model: str, devices: tuple[DeviceSpec, DeviceSpec], phases: Sequence[str] | None = None, *,
                options: CostOptions = CostOptions(), batch: int | None = None, seq: int | None = None,
                ctx: int | None = None, image: str | None = None, resolution: str | None = None,
-               progress=None) -> Census:
-    """Trace ``model``'s phases on meta (default: all of them, at the default shapes) and take their census.
+               graph: str = DEFAULT_GRAPH, progress=None) -> Census:
+    """Trace ``model``'s phases on meta (default: all of them, at the default shapes) as the ``graph`` kind and
+    take their census.
 
     ``progress(phase)``, if given, is called before each phase is traced."""
     from tessera.capture.api import trace_model
@@ -270,5 +272,6 @@ def run_census(model: str, devices: tuple[DeviceSpec, DeviceSpec], phases: Seque
     for p in chosen:
         if progress is not None:
             progress(p)
-        graphs.append(trace_model(model, p, batch=batch, seq=seq, ctx=ctx, image=image, resolution=resolution))
+        graphs.append(trace_model(model, p, batch=batch, seq=seq, ctx=ctx, image=image, resolution=resolution,
+                                  graph=graph))
     return census(graphs, CostModel(devices[0], options), CostModel(devices[1], options))

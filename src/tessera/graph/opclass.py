@@ -45,24 +45,28 @@ class FusedOpInfo:
 
     ``flops(args, kwargs, out)`` counts its floating-point operations from the op's arguments at trace
     time; ``gemm(shapes)`` gives (batch, M, N, K) of a matrix-multiply unit from the shapes of its tensor
-    arguments in order, as a recorded kernel lists them.
+    arguments in order, as a recorded kernel lists them; ``traffic(args, kwargs, out)`` gives (bytes read,
+    bytes written) of a unit that touches only part of an argument it is given whole (a cache write through
+    slot indices), where the default (every argument read whole, mutated ones written whole) overstates it.
     """
 
     op_class: str
     flops: Callable[[tuple, dict, Any], int] | None = None
     gemm: Callable[[list[list[int]]], tuple[int, int, int, int]] | None = None
+    traffic: Callable[[tuple, dict, Any], tuple[int, int]] | None = None
 
 
 FUSED: dict[str, FusedOpInfo] = {}
 
 
 def register_fused(name: str, op_class: str, *, flops: Callable[[tuple, dict, Any], int] | None = None,
-                   gemm: Callable[[list[list[int]]], tuple[int, int, int, int]] | None = None) -> None:
-    """Declare the class, FLOP formula and GEMM shape of the fused op ``name`` (its base name, e.g.
-    ``merged_linear``); a second registration of the same name must agree with the first."""
+                   gemm: Callable[[list[list[int]]], tuple[int, int, int, int]] | None = None,
+                   traffic: Callable[[tuple, dict, Any], tuple[int, int]] | None = None) -> None:
+    """Declare the class, FLOP formula, GEMM shape and (optionally) memory traffic of the fused op ``name``
+    (its base name, e.g. ``merged_linear``); a second registration of the same name must agree with the first."""
     if op_class not in OP_CLASSES:
         raise ValueError(f"fused op {name!r}: unknown op class {op_class!r} (one of {', '.join(OP_CLASSES)})")
-    info = FusedOpInfo(op_class, flops, gemm)
+    info = FusedOpInfo(op_class, flops, gemm, traffic)
     if name in FUSED and FUSED[name].op_class != op_class:
         raise ValueError(f"fused op {name!r} registered twice with different classes")
     FUSED[name] = info
@@ -193,9 +197,13 @@ _INDEXED_WRITES = {"index_put_", "index_put", "index_copy_", "index_copy", "scat
 _INDEXED_READS = {"embedding", "index_select", "index", "gather", "_unsafe_index"}
 
 
-def indexed_traffic(func, args, out) -> tuple[int, int] | None:
-    """(bytes read, bytes written) of an indexed op from its selected elements; None for other ops."""
+def indexed_traffic(func, args, out, kwargs: dict | None = None) -> tuple[int, int] | None:
+    """(bytes read, bytes written) of an indexed op from its selected elements (or a fused op's declared
+    traffic); None for other ops."""
     name = op_base_name(str(func))
+    info = FUSED.get(name)
+    if info is not None:
+        return info.traffic(args, kwargs or {}, out) if info.traffic is not None else None
     outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
     tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
 

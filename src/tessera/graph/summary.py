@@ -38,4 +38,6 @@ def summarize(graph: KernelGraph) -> dict[str, Any]:
         "accesses": len(graph.accesses),
         "edges": dict(sorted(edges.items())) | {"total": len(graph.edges)},
         "trace_seconds": graph.meta.get("trace_seconds"),
+        "graph_kind": graph.meta.get("graph", "eager"),
+        "fallbacks": list(graph.meta.get("fallbacks", [])),
     }

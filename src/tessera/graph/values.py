@@ -17,7 +17,7 @@ def pack_values(t: torch.Tensor) -> str:
     if nbytes > MAX_CONSTANT_BYTES:
         raise ValueError(f"constant of {nbytes} bytes is too large to embed in a graph "
                          f"(limit {MAX_CONSTANT_BYTES}); make it a persistent buffer so it is a weight")
-    return base64.b64encode(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").decode("ascii")
+    return base64.b64encode(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"").decode("ascii")
 
 
 def unpack_values(data: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
