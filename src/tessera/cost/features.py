@@ -64,6 +64,16 @@ def cost_class(kernel: Kernel) -> str:
     return cls if cls in COST_CLASSES else "elementwise"
 
 
+def kernel_identity(kernel: Kernel) -> str | None:
+    """What per-op efficiency factors a kernel takes: a Tessera fused op's base name (``merged_linear``,
+    ``add_rms_norm``, ``kv_write``...), ``lm_head`` for the LM-head GEMM, None otherwise (class factors)."""
+    if kernel.op.startswith("tessera."):
+        return op_base_name(kernel.op)
+    if kernel.op_class == "gemm" and kernel.scope.split(".")[-1] == "lm_head":
+        return "lm_head"
+    return None
+
+
 def block_of(kernel: Kernel) -> str:
     """``attention`` (attention or SSM token mixer), ``ffn`` (MLP / experts) or ``other``, by module scope."""
     parts = kernel.scope.lower().replace("[", ".").split(".")
@@ -88,6 +98,7 @@ class KernelFeatures:
     compute_dtype: str  # the first floating-point argument dtype (the trace's)
     gemm: tuple[int, int, int, int] | None  # (batch, M, N, K) of matrix multiplies
     weight_format: str | None = None  # deployed format of its matrix weights: mxfp4, fp8, bf16... (None: none)
+    op: str | None = None  # its identity for per-op factors: a fused op's name (merged_linear...), lm_head
 
     @property
     def bytes(self) -> float:
@@ -151,7 +162,7 @@ class FeatureExtractor:
                               weight_bytes=by_kind["weight"] * weight_scale,
                               kv_bytes=by_kind["kv"] * self.options.kv_scale(kv_dtype),
                               other_bytes=by_kind["other"], compute_dtype=compute_dtype, gemm=dims,
-                              weight_format=fmt)
+                              weight_format=fmt, op=kernel_identity(kernel))
 
     def all(self) -> list[KernelFeatures]:
         """Features of every kernel in program order."""

@@ -90,7 +90,7 @@ class CostModel:
         features = FeatureExtractor(graph, self.options).all() if features is None else features
         out = []
         for k, f in zip(graph.kernels, features, strict=True):
-            cost = kernel_time(f, self.device, self.efficiency.classes[f.cost_class], self.options)
+            cost = kernel_time(f, self.device, self.efficiency.for_kernel(f.cost_class, f.op), self.options)
             t = self.measured.get(kernel_signature(k)) if self.measured else None
             if t is not None:
                 cost = KernelCost(k.index, f.cost_class, t, cost.compute_s, cost.memory_s, cost.floor_s, "measured")
