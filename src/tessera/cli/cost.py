@@ -195,7 +195,7 @@ def census(
         return
     shapes = "; ".join(f"{p}: " + ", ".join(f"{k} {v}" for k, v in s.items()) for p, s in result.shapes.items())
     _out.print(f"{result.model} census, {a} vs {b} - every time predicted by the cost model ({shapes}; weights "
-               f"{weights_dtype}, KV {kv_dtype}, {'eager launches' if eager else 'CUDA graphs'})")
+               f"{options.describe_weights()}, KV {kv_dtype}, {'eager launches' if eager else 'CUDA graphs'})")
     equal = result.overall.kernels_equal > 0
     for title, rows in (("by phase", result.by_phase), ("by cost class", result.by_class),
                         ("by block", result.by_block)):

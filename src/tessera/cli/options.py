@@ -31,8 +31,9 @@ CTX = typer.Option(None, "--ctx", "-c", help=f"KV-cache capacity bucket (default
 IMAGE = typer.Option(None, "--image", help=f"VLM image size WxH (default {DEFAULT_IMAGE[0]}x{DEFAULT_IMAGE[1]}).")
 RESOLUTION = typer.Option(None, "--resolution", help="Diffusion resolution N or WxH (default "
                           f"{DEFAULT_RESOLUTION[0]}x{DEFAULT_RESOLUTION[1]}).")
-WEIGHTS_DTYPE = typer.Option(_COST.weights_dtype, "--weights-dtype", help="Deployed weight dtype: bf16, fp8 or "
-                             "mxfp4.")
+WEIGHTS_DTYPE = typer.Option(_COST.weights_dtype, "--weights-dtype", help="Deployed weight format: native (as "
+                             "traced: the production graph's deployed formats, e.g. gpt-oss experts in MXFP4), or "
+                             "an override for every matrix weight: bf16, fp16, fp8 or mxfp4.")
 KV_DTYPE = typer.Option(_COST.kv_dtype, "--kv-dtype", help="Deployed KV-cache dtype: bf16 or fp8.")
 EAGER = typer.Option(not _COST.cuda_graphs, "--eager", help="Kernels launched one by one (each pays the launch "
                      "latency) instead of from CUDA graphs.")

@@ -42,10 +42,18 @@ class DeviceEfficiency:
     classes: dict[str, ClassEfficiency]
     source: str
     fitted: tuple[str, ...] = field(default=())  # classes whose factors were fitted on measurements
+    ops: dict[str, ClassEfficiency] = field(default_factory=dict)  # fitted per fused-op identity (merged_linear...)
+
+    def for_kernel(self, cost_class: str, op: str | None = None) -> ClassEfficiency:
+        """The factors of one kernel: its fused op's (identity) where fitted, else its class's."""
+        return self.ops.get(op, self.classes[cost_class]) if op else self.classes[cost_class]
 
     def to_dict(self) -> dict:
-        return {"device": self.device, "source": self.source, "fitted": list(self.fitted),
-                "classes": {c: asdict(e) for c, e in self.classes.items()}}
+        d = {"device": self.device, "source": self.source, "fitted": list(self.fitted),
+             "classes": {c: asdict(e) for c, e in self.classes.items()}}
+        if self.ops:
+            d["ops"] = {o: asdict(e) for o, e in self.ops.items()}
+        return d
 
     @classmethod
     def from_dict(cls, d: dict, where: str) -> DeviceEfficiency:
@@ -54,7 +62,9 @@ class DeviceEfficiency:
             unknown = set(classes) - set(COST_CLASSES)
             if unknown:
                 raise FactorsError(f"{where}: unknown cost classes {sorted(unknown)} (known: {COST_CLASSES})")
-            return cls(device=d["device"], classes=classes, source=d["source"], fitted=tuple(d.get("fitted", ())))
+            ops = {o: ClassEfficiency(**e) for o, e in d.get("ops", {}).items()}
+            return cls(device=d["device"], classes=classes, source=d["source"], fitted=tuple(d.get("fitted", ())),
+                       ops=ops)
         except (KeyError, TypeError) as e:
             raise FactorsError(f"{where}: malformed device factors ({e}); expected device, source and "
                                "classes: {class: {compute, memory, floor_cycles[, overhead_s]}}") from e
@@ -133,8 +143,8 @@ def efficiency_for(device: DeviceSpec) -> DeviceEfficiency:
             if same_arch:
                 base = factors[same_arch[0]]
                 fitted = DeviceEfficiency(device.id, base.classes, f"inherited from {base.device} "
-                                          f"({device.arch}): {base.source}", base.fitted)
+                                          f"({device.arch}): {base.source}", base.fitted, base.ops)
     if fitted is None:
         return priors
     classes = dict(priors.classes) | {c: e for c, e in fitted.classes.items() if c in fitted.fitted}
-    return DeviceEfficiency(device.id, classes, fitted.source, fitted.fitted)
+    return DeviceEfficiency(device.id, classes, fitted.source, fitted.fitted, dict(fitted.ops))

@@ -64,6 +64,16 @@ def cost_class(kernel: Kernel) -> str:
     return cls if cls in COST_CLASSES else "elementwise"
 
 
+def kernel_identity(kernel: Kernel) -> str | None:
+    """What per-op efficiency factors a kernel takes: a Tessera fused op's base name (``merged_linear``,
+    ``add_rms_norm``, ``kv_write``...), ``lm_head`` for the LM-head GEMM, None otherwise (class factors)."""
+    if kernel.op.startswith("tessera."):
+        return op_base_name(kernel.op)
+    if kernel.op_class == "gemm" and kernel.scope.split(".")[-1] == "lm_head":
+        return "lm_head"
+    return None
+
+
 def block_of(kernel: Kernel) -> str:
     """``attention`` (attention or SSM token mixer), ``ffn`` (MLP / experts) or ``other``, by module scope."""
     parts = kernel.scope.lower().replace("[", ".").split(".")
@@ -87,6 +97,8 @@ class KernelFeatures:
     other_bytes: float  # activations, inputs, outputs, constants and non-KV state
     compute_dtype: str  # the first floating-point argument dtype (the trace's)
     gemm: tuple[int, int, int, int] | None  # (batch, M, N, K) of matrix multiplies
+    weight_format: str | None = None  # deployed format of its matrix weights: mxfp4, fp8, bf16... (None: none)
+    op: str | None = None  # its identity for per-op factors: a fused op's name (merged_linear...), lm_head
 
     @property
     def bytes(self) -> float:
@@ -115,12 +127,22 @@ class FeatureExtractor:
         """The roofline features of one kernel of the graph."""
         cls = cost_class(kernel)
         by_kind = {"weight": 0.0, "kv": 0.0, "other": 0.0}
+        stored_weight = 0.0  # weight bytes in the deployed format (matrices of GEMMs rescaled by the options)
+        matrix_gemm = cls in ("gemm", "gemv", "grouped_gemm")
+        formats = []
         for a in self._accesses[kernel.index]:
             buf = self.graph.buffers[a.buffer]
             kind = "weight" if buf.kind == "weight" else "kv" if is_kv_buffer(a.buffer) else "other"
             by_kind[kind] += _nbytes(a)
+            if kind == "weight":
+                matrix = len(buf.shape) >= 2
+                stored_weight += _nbytes(a) * (self.options.weight_scale(buf.dtype) if matrix_gemm and matrix
+                                               else 1.0)
+                if matrix:
+                    formats.append(self.options.weight_format(buf.dtype))
         touched = sum(by_kind.values())
         moved = kernel.bytes_read + kernel.bytes_written
+        weight_scale = stored_weight / by_kind["weight"] if by_kind["weight"] else 1.0
         if touched > 0 and moved < touched:  # indexed ops move only the selected elements
             by_kind = {k: v * moved / touched for k, v in by_kind.items()}
         elif touched == 0:
@@ -130,16 +152,17 @@ class FeatureExtractor:
             experts = kernel.shapes[1][0]
             rows = dims[1]  # token-expert assignments: each expert with at least one is read once
             by_kind["weight"] *= RoutingDistribution(experts).expected_active(rows) / experts
-        compute_dtype = next((d for d in kernel.dtypes if d.startswith(("bfloat", "float"))), "float32")
-        weight_dtype = next((self.graph.buffers[a.buffer].dtype for a in self._accesses[kernel.index]
-                             if self.graph.buffers[a.buffer].kind == "weight"), compute_dtype)
+        compute_dtype = next((d for d in kernel.dtypes if d.startswith(("bfloat", "float"))
+                              and not d.startswith("float8")), "float32")
         kv_dtype = next((self.graph.buffers[a.buffer].dtype for a in self._accesses[kernel.index]
                          if is_kv_buffer(a.buffer)), compute_dtype)
-        weight_scale = self.options.weight_scale(weight_dtype) if cls in ("gemm", "gemv", "grouped_gemm") else 1.0
+        # the narrowest format among its matrix weights sets the GEMM's path (MXFP4 blocks beside BF16 biases)
+        fmt = next((f for f in ("mxfp4", "fp8") if f in formats), formats[0] if formats else None)
         return KernelFeatures(index=kernel.index, cost_class=cls, block=block_of(kernel), flops=float(kernel.flops),
                               weight_bytes=by_kind["weight"] * weight_scale,
                               kv_bytes=by_kind["kv"] * self.options.kv_scale(kv_dtype),
-                              other_bytes=by_kind["other"], compute_dtype=compute_dtype, gemm=dims)
+                              other_bytes=by_kind["other"], compute_dtype=compute_dtype, gemm=dims,
+                              weight_format=fmt, op=kernel_identity(kernel))
 
     def all(self) -> list[KernelFeatures]:
         """Features of every kernel in program order."""

@@ -15,7 +15,7 @@ absolute memory efficiency is checked against the one kernel whose bytes are kno
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +44,29 @@ _NAME_CLASSES = (
     ("reshape_and_cache", "copy"), ("direct_copy", "copy"), ("fillfunctor", "copy"), ("constant_pad", "copy"),
 )
 
+# Measured vLLM / library kernel -> the Tessera fused op it stands for (its identity), first match wins.
+# Fragments are matched on both parts' names (lower case) and the position's block; ``{phase}`` rules pick
+# by phase. Kernels with no Tessera counterpart (fills, pads, casts) keep no identity and use class factors.
+_NAME_IDENTITIES = (
+    (("marlin_moe",), None, "moe_mxfp4_gemm"),  # MXFP4 weight-only expert GEMM (Marlin wna16)
+    (("moe_wna16",), None, "moe_mxfp4_gemm"),
+    (("unified_attention", "reduce_segments"), None, "{phase}_attention"),  # 2d / 3d + segment reduction
+    (("reshape_and_cache",), None, "kv_write"),
+    (("fused_add_rms_norm",), None, "add_rms_norm"),
+    (("embedding_mean_mul_pow_rsqrt",), None, "rms_norm"),  # Inductor: embedding + first input norm
+    (("add_addmm_mean_mul_pow_rsqrt", "add_mean_mul_pow_rsqrt"), None, "add_rms_norm"),  # residual add + norm
+    (("rms_norm",), None, "rms_norm"),
+    (("topkgating",), None, "topk_gating"),
+    (("moe_align", "count_and_sort_expert"), None, "moe_align"),
+    (("moe_sum",), None, "moe_sum"),
+    (("swigluoai_and_mul",), None, "swigluoai_and_mul"),
+    (("silu_and_mul", "act_and_mul"), None, "silu_and_mul"),
+    (("rotary_embedding", "index_select_mul_split"), None, "rotary_"),  # Inductor: cos/sin gather, rotate
+    (("gemm", "gemvx", "dot+reduce", "splitkreduce"), "other", "lm_head"),  # the LM head (block other)
+    (("gemm", "gemvx", "dot+reduce", "splitkreduce"), None, "merged_linear"),  # QKV, o_proj, router, ...
+    (("softmax", "distribution_elementwise", "binaryfunctor", "reduce_kernel"), "other", "sample"),  # sampler
+)
+
 # Arithmetic intensity (FLOPs per byte) assumed for each (class, regime): the shape-less data fixes
 # only one size per kernel. Compute-bound prefill work uses high intensities, streaming work low ones.
 _INTENSITY = {"gemm": 1000.0, "gemv": 32.0, "grouped_gemm:prefill": 500.0, "grouped_gemm:decode": 16.0,
@@ -54,7 +77,7 @@ _TENSOR = ("gemm", "gemv", "grouped_gemm", "attention")
 
 @dataclass(frozen=True)
 class MeasuredKernel:
-    """One measured kernel position: its class, phase, block and time on each part."""
+    """One measured kernel position: its class, phase, block, time on each part and Tessera identity."""
 
     phase: str
     block: str
@@ -63,6 +86,7 @@ class MeasuredKernel:
     launches: int
     reference_s: float
     target_s: float
+    identity: str | None = None  # the Tessera fused op it stands for (see kernel_identity)
 
     @property
     def regime(self) -> str:
@@ -80,6 +104,16 @@ def classify_kernel_name(name: str) -> str:
     return next((cls for frag, cls in _NAME_CLASSES if frag in low), "elementwise")
 
 
+def kernel_identity(names: str | tuple[str, ...], phase: str, block: str) -> str | None:
+    """The Tessera fused op (``merged_linear``, ``add_rms_norm``, ``kv_write``...) a measured kernel stands
+    for, from its names on either part, its phase and its block; None when Tessera has no counterpart."""
+    low = " ".join([names] if isinstance(names, str) else names).lower()
+    for frags, only_block, identity in _NAME_IDENTITIES:
+        if (only_block is None or only_block == block) and any(f in low for f in frags):
+            return identity.format(phase=phase)
+    return None
+
+
 def _read_tsv(path: Path) -> list[dict[str, str]]:
     lines = [line.split("\t") for line in path.read_text().splitlines() if line and not line.startswith("#")]
     return [dict(zip(lines[0], line, strict=False)) for line in lines[1:]]
@@ -94,15 +128,17 @@ def load_pairs(path: Path = PAIRS_FILE) -> tuple[list[MeasuredKernel], list[Meas
     kernels = []
     for r in _read_tsv(path):
         a100 = float(r["a100_us_median"]) * 1e-6
+        ident = kernel_identity((r["name_a100"], r["name_l40s"]), r["phase"], r["category"])
         kernels.append(MeasuredKernel(r["phase"], r["category"], r["name_a100"], classify_kernel_name(r["name_a100"]),
-                                      int(r["launches"]), a100, a100 * float(r["ratio_median"])))
+                                      int(r["launches"]), a100, a100 * float(r["ratio_median"]), ident))
     return [k for k in kernels if _usable(k)], [k for k in kernels if not _usable(k)]
 
 
 def load_points(path: Path = POINTS_FILE) -> tuple[list[MeasuredKernel], list[MeasuredKernel]]:
     """(usable, mismatched) kernels of the points file (absolute times on both parts)."""
     kernels = [MeasuredKernel(r["phase"], r["category"], r["kernel"], classify_kernel_name(r["kernel"]), 1,
-                              float(r["a100_us"]) * 1e-6, float(r["l40s_us"]) * 1e-6) for r in _read_tsv(path)]
+                              float(r["a100_us"]) * 1e-6, float(r["l40s_us"]) * 1e-6,
+                              kernel_identity(r["kernel"], r["phase"], r["category"])) for r in _read_tsv(path)]
     return [k for k in kernels if _usable(k)], [k for k in kernels if not _usable(k)]
 
 
@@ -162,6 +198,7 @@ class ClassFit:
     fit_error: float  # median |predicted/measured - 1| of the target time on the fitted kernels
 
 
+IDENTITY_MARGIN = 0.75  # an identity's leave-one-out error must beat its class factors' by this factor
 _MULTIPLIERS = np.geomspace(0.25, 4.0, 41)
 _FLOOR_GRID = np.geomspace(300, 8000, 49)
 _PRIOR_WEIGHT = 0.02  # keeps classes with few kernels near the priors
@@ -226,6 +263,31 @@ class GpuCalibration:
     held_out: list[tuple[MeasuredKernel, float, float]]  # (kernel, calibrated prediction, prior prediction)
     excluded: int
     anchor: float | None
+    op_fits: dict[str, ClassFit] = field(default_factory=dict)  # per Tessera identity, where kept
+    op_classes: dict[str, str] = field(default_factory=dict)  # identity -> the class its fit started from
+
+
+def _majority_class(rows: list[MeasuredKernel]) -> str:
+    counts: dict[str, int] = {}
+    for k in rows:
+        counts[k.cost_class] = counts.get(k.cost_class, 0) + 1
+    return max(sorted(counts), key=lambda c: counts[c])
+
+
+def _cross_validate_identity(rows: list[MeasuredKernel], ref: DeviceSpec, tgt: DeviceSpec,
+                             ref_classes: dict[str, ClassEfficiency], tgt_classes: dict[str, ClassEfficiency],
+                             cls: str) -> tuple[ClassFit, float, float]:
+    """(fit on all rows of one identity, its leave-one-out median error, median error of the class-level
+    factors on the same rows) - the class factors were fitted on these rows, so the comparison favours them."""
+    loo, base = [], []
+    for i, k in enumerate(rows):
+        f = fit_class(rows[:i] + rows[i + 1:], ref, tgt, ref_classes[cls], tgt_classes[cls])
+        pred = predict_target(k, ref, tgt, replace(ref_classes[k.cost_class], floor_cycles=f.floor_cycles),
+                              ClassEfficiency(f.target_compute, f.target_memory, f.floor_cycles))
+        loo.append(abs(pred / k.target_s - 1))
+        base.append(abs(predict_target(k, ref, tgt, ref_classes[k.cost_class], tgt_classes[k.cost_class])
+                        / k.target_s - 1))
+    return fit_class(rows, ref, tgt, ref_classes[cls], tgt_classes[cls]), float(np.median(loo)), float(np.median(base))
 
 
 def _cross_validate(rows: list[MeasuredKernel], ref: DeviceSpec, tgt: DeviceSpec, ref_eff: ClassEfficiency,
@@ -242,9 +304,11 @@ def _cross_validate(rows: list[MeasuredKernel], ref: DeviceSpec, tgt: DeviceSpec
 
 
 def calibrate_gpus(kernels: list[MeasuredKernel] | None = None, excluded: int | None = None,
-                   progress=None, fold: int | None = None) -> GpuCalibration:
+                   progress=None, fold: int | None = None, by_identity: bool = True) -> GpuCalibration:
     """Fit on two thirds of the measured positions (a class's fit is kept only if its leave-one-out error
-    beats the priors'), and predict the held-out third (``fold`` of :func:`split`) with both."""
+    beats the priors'), then (``by_identity``) per Tessera identity with at least 3 fit positions (kept
+    only if its leave-one-out error beats the class factors'), and predict the held-out third (``fold``
+    of :func:`split`) with both: identity factors where kept, else class factors."""
     if kernels is None:
         kernels, bad = load_pairs()
         excluded = len(bad)
@@ -266,25 +330,54 @@ def calibrate_gpus(kernels: list[MeasuredKernel] | None = None, excluded: int | 
     for cls, f in fits.items():
         ref_classes[cls] = replace(ref_classes[cls], floor_cycles=f.floor_cycles)
         tgt_classes[cls] = ClassEfficiency(f.target_compute, f.target_memory, f.floor_cycles)
+    op_fits: dict[str, ClassFit] = {}
+    op_classes: dict[str, str] = {}
+    ref_ops: dict[str, ClassEfficiency] = {}
+    tgt_ops: dict[str, ClassEfficiency] = {}
+    for ident in sorted({k.identity for k in fit_rows if k.identity} if by_identity else ()):
+        rows = [k for k in fit_rows if k.identity == ident]
+        if len(rows) < 3 or len({k.cost_class for k in rows}) > 1:  # too few, or a mix of kernel kinds
+            continue
+        cls = _majority_class(rows)
+        fit, loo, base = _cross_validate_identity(rows, ref, tgt, ref_classes, tgt_classes, cls)
+        if progress:
+            progress(f"{ident} ({cls})", loo, base)
+        if loo < IDENTITY_MARGIN * base:  # a clear gain only: groups of 3-9 positions select noisily
+            op_fits[ident], op_classes[ident] = fit, cls
+            ref_ops[ident] = replace(ref_classes[cls], floor_cycles=fit.floor_cycles)
+            tgt_ops[ident] = ClassEfficiency(fit.target_compute, fit.target_memory, fit.floor_cycles)
     source = (f"fitted on {len(fit_rows)} of {len(kernels)} measured GPT-oss-20B kernel positions "
               f"(A100-80G PCIe vs L40S, vLLM 0.18, FluidGPU artifact cdccfb2); "
-              "floor cycles per class; L40S efficiencies relative to the A100-PCIE priors")
-    ref_fit = DeviceEfficiency(ref.id, ref_classes, source, tuple(fits))
-    tgt_fit = DeviceEfficiency(tgt.id, tgt_classes, source, tuple(fits))
+              "floor cycles per class and per Tessera fused-op identity where the data supports it; "
+              "L40S efficiencies relative to the A100-PCIE priors")
+    ref_fit = DeviceEfficiency(ref.id, ref_classes, source, tuple(fits), ref_ops)
+    tgt_fit = DeviceEfficiency(tgt.id, tgt_classes, source, tuple(fits), tgt_ops)
     held_pred = []
     for k in held:
-        cal = predict_target(k, ref, tgt, ref_classes[k.cost_class], tgt_classes[k.cost_class])
+        r_eff = ref_ops.get(k.identity) or ref_classes[k.cost_class]
+        t_eff = tgt_ops.get(k.identity) or tgt_classes[k.cost_class]
+        if k.identity in ref_ops:  # identity floors sit on the kernel's own class roofline
+            r_eff = replace(ref_classes[k.cost_class], floor_cycles=r_eff.floor_cycles)
+        cal = predict_target(k, ref, tgt, r_eff, t_eff)
         prior = predict_target(k, ref, tgt, ref_prior.classes[k.cost_class], tgt_prior.classes[k.cost_class])
         held_pred.append((k, cal, prior))
-    return GpuCalibration(ref_fit, tgt_fit, fits, held_pred, excluded or 0, lm_head_anchor(kernels, ref))
+    return GpuCalibration(ref_fit, tgt_fit, fits, held_pred, excluded or 0, lm_head_anchor(kernels, ref),
+                          op_fits, op_classes)
 
 
-def cross_validated(kernels: list[MeasuredKernel], folds: int = 3) -> list[tuple[MeasuredKernel, float, float]]:
+def cross_validated(kernels: list[MeasuredKernel], folds: int = 3, by_identity: bool = True
+                    ) -> list[tuple[MeasuredKernel, float, float]]:
     """Every kernel predicted by factors fitted without it: the held-out thirds of ``folds`` splits."""
     out = []
     for fold in range(folds):
-        out += calibrate_gpus(kernels, fold=fold).held_out
+        out += calibrate_gpus(kernels, fold=fold, by_identity=by_identity).held_out
     return out
+
+
+def identity_error_table(rows: list[tuple[MeasuredKernel, float, float]]) -> dict[str, dict[str, float]]:
+    """:func:`error_table` grouped by Tessera identity (``-`` for kernels without one)."""
+    relabelled = [(replace(k, cost_class=k.identity or "-"), c, p) for k, c, p in rows]
+    return error_table(relabelled)
 
 
 def error_table(rows: list[tuple[MeasuredKernel, float, float]]) -> dict[str, dict[str, float]]:
@@ -313,6 +406,11 @@ def factors_document(cal: GpuCalibration, cv: list[tuple[MeasuredKernel, float, 
             "excluded_mismatched_positions": cal.excluded,
             "fit_kernels": sum(f.fit_kernels for f in cal.fits.values()),
             "held_out_error": error_table(cal.held_out),
+            "held_out_error_by_identity": identity_error_table(cal.held_out),
+            "identity_fits": {i: {"from_class": cal.op_classes[i], "fit_kernels": f.fit_kernels,
+                                  "floor_cycles": f.floor_cycles, "target_compute": f.target_compute,
+                                  "target_memory": f.target_memory, "fit_error": f.fit_error}
+                              for i, f in cal.op_fits.items()},
             "lm_head_a100_pcie_memory_efficiency": cal.anchor,
             "command": "python benchmarks/bench_gpu_calibration.py --write",
         },

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from tessera.cost.efficiency import DeviceEfficiency, efficiency_for
 from tessera.cost.features import FeatureExtractor, KernelFeatures
-from tessera.cost.options import CostOptions
+from tessera.cost.options import CostOptions, check_weights_supported
 from tessera.cost.profile import Profile, kernel_signature
 from tessera.cost.roofline import KernelCost, kernel_time
 from tessera.errors import TesseraError
@@ -75,17 +75,22 @@ class CostModel:
         if profile is not None and profile.device != device.id:
             raise ProfileDeviceError(f"the profile was measured on {profile.device}, not {device.id}; profile "
                                      f"on {device.id} or drop --profile")
+        check_weights_supported(options, device)
         self.device, self.options = device, options
+        self._checked: set[int] = set()  # graphs whose native weight formats were checked against the device
         self.efficiency = efficiency or efficiency_for(device)
         self.measured = profile.by_signature() if profile is not None else {}
 
     def kernel_costs(self, graph: KernelGraph, features: list[KernelFeatures] | None = None) -> list[KernelCost]:
         """Cost of every kernel of ``graph`` in program order (``features``: the graph's, if already
         extracted with this model's options, e.g. shared by the cost models of several devices)."""
+        if id(graph) not in self._checked:
+            check_weights_supported(self.options, self.device, graph)
+            self._checked.add(id(graph))
         features = FeatureExtractor(graph, self.options).all() if features is None else features
         out = []
         for k, f in zip(graph.kernels, features, strict=True):
-            cost = kernel_time(f, self.device, self.efficiency.classes[f.cost_class], self.options)
+            cost = kernel_time(f, self.device, self.efficiency.for_kernel(f.cost_class, f.op), self.options)
             t = self.measured.get(kernel_signature(k)) if self.measured else None
             if t is not None:
                 cost = KernelCost(k.index, f.cost_class, t, cost.compute_s, cost.memory_s, cost.floor_s, "measured")

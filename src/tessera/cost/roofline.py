@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from tessera.cost.efficiency import ClassEfficiency
 from tessera.cost.features import TENSOR_CORE_CLASSES, KernelFeatures
-from tessera.cost.options import CostOptions
+from tessera.cost.options import NATIVE, CostOptions
 from tessera.hardware.catalog import DeviceSpec
 
 TILE = 128  # output tile edge of a tensor-core GEMM / attention block: the unit of wave quantisation
@@ -38,10 +38,13 @@ def compute_path(f: KernelFeatures, device: DeviceSpec, options: CostOptions) ->
     if f.cost_class not in TENSOR_CORE_CLASSES:
         return "fp32"
     if f.cost_class in ("gemm", "gemv", "grouped_gemm"):
-        if options.weights_dtype == "fp8" and device.peak_flops("fp8"):
+        # the weights' deployed format: the override, or (native) what the kernel's weight buffers hold
+        fmt = options.weights_dtype if options.weights_dtype != NATIVE else f.weight_format
+        if fmt == "fp8" and device.peak_flops("fp8"):
             return "fp8"
-        if options.weights_dtype == "mxfp4" and device.peak_flops("fp4"):
+        if fmt == "mxfp4" and device.peak_flops("fp4"):  # FP4 tensor cores (Blackwell)
             return "fp4"
+        # elsewhere dequantised in the GEMM to the activations' dtype (Marlin on Ampere/Ada, matmul_ogs on Hopper)
     for path in _TENSOR_PATHS.get(f.compute_dtype, ("fp32",)):
         if device.peak_flops(path):
             return path

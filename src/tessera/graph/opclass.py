@@ -89,10 +89,71 @@ def _numel(t) -> int:
     return math.prod(t.shape) if isinstance(t, torch.Tensor) else 0
 
 
-def _attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+def causal_pairs(sq: int, sk: int, window: int = 0, offset: int | None = None) -> int:
+    """Allowed (query, key) pairs of causal attention: query i (at key position ``offset + i``, default
+    ``sk - sq``: the queries are the last ``sq`` positions) sees keys up to its own position, and with a
+    sliding ``window`` > 0 only the last ``window`` of them: sum over i of min(offset + i + 1, window, sk)."""
+    offset = max(sk - sq, 0) if offset is None else offset
+    cap = min(window, sk) if window and window > 0 else sk
+    total = 0
+    # positions p = offset + i + 1 for i in 0..sq-1; min(p, cap): an arithmetic run, then a flat part
+    first, last = offset + 1, offset + sq
+    ramp_end = min(last, cap)
+    if ramp_end >= first:
+        total += (first + ramp_end) * (ramp_end - first + 1) // 2
+    flat = last - max(ramp_end, first - 1)
+    if flat > 0:
+        total += flat * cap
+    return total
+
+
+def _attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pairs: int | None = None) -> int:
+    """2 x (d + dv) FLOPs per (query, key) pair per batch row and head; ``pairs`` of one (row, head),
+    default all sq x sk."""
     b, h, sq, d = q.shape
     sk, dv = k.shape[-2], v.shape[-1]
-    return 2 * b * h * sq * sk * (d + dv)
+    pairs = sq * sk if pairs is None else pairs
+    return 2 * b * h * pairs * (d + dv)
+
+
+def _arg(func, args, kwargs, name: str, default=None):
+    """An op argument by schema name, positional or keyword."""
+    if name in kwargs:
+        return kwargs[name]
+    try:
+        names = [a.name for a in func._schema.arguments]
+    except AttributeError:
+        return default
+    if name in names and names.index(name) < len(args):
+        return args[names.index(name)]
+    return default
+
+
+_SDPA = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+         "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+         "_scaled_dot_product_cudnn_attention")
+
+
+def attention_flops(func, args, kwargs) -> int | None:
+    """FLOPs of an attention kernel counting only the (query, key) pairs its mask allows (causal,
+    sliding window); None for ops that are not attention."""
+    name = op_base_name(str(func))
+    if name == "prefill_attention":  # causal, optional sliding window (kernels/attention.py)
+        q, k, v = args[0], args[1], args[2]
+        window = _arg(func, args, kwargs, "window", 0) or 0
+        return _attention_flops(q, k, v, causal_pairs(q.shape[-2], k.shape[-2], int(window)))
+    if name == "decode_attention":  # one query per row against ctx cached keys (window > 0: the last window)
+        q, k_cache, v_cache = args[0], args[1], args[2]
+        window = int(_arg(func, args, kwargs, "window", 0) or 0)
+        ctx = k_cache.shape[-2]
+        keys = min(ctx, window) if window > 0 else ctx
+        return _attention_flops(q, k_cache, v_cache, q.shape[-2] * keys)
+    if name in _SDPA:
+        q, k, v = args[0], args[1], args[2]
+        if _arg(func, args, kwargs, "is_causal", False):  # torch's is_causal: top-left aligned (key j <= query i)
+            return _attention_flops(q, k, v, causal_pairs(q.shape[-2], k.shape[-2], offset=0))
+        return _attention_flops(q, k, v)
+    return None
 
 
 def flops_of(func, args, kwargs, out) -> int:
@@ -102,8 +163,9 @@ def flops_of(func, args, kwargs, out) -> int:
         info = FUSED.get(name)
         if info is not None and info.flops is not None:
             return int(info.flops(args, kwargs, out))
-        if name in ("scaled_dot_product_attention", "prefill_attention", "decode_attention"):
-            return _attention_flops(args[0], args[1], args[2])
+        attention = attention_flops(func, args, kwargs)
+        if attention is not None:
+            return attention
         if name == "segment_attention":  # block-diagonal: only within-segment pairs
             q, v, lengths = args[0], args[2], args[3]
             return 2 * q.shape[0] * q.shape[1] * sum(n * n for n in lengths) * (q.shape[-1] + v.shape[-1])

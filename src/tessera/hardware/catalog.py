@@ -57,6 +57,7 @@ class DeviceSpec:
     as_of: str
     measured: bool = False
     threads: int | None = None
+    compute_capability: tuple[int, int] | None = None  # NVIDIA SM version (8.0 = A100); None for AMD and CPU
 
     def peak_flops(self, path: str) -> float | None:
         """Dense peak FLOP/s of compute path `path` ("fp32", "bf16", ...); None when the part lacks it."""
@@ -86,7 +87,8 @@ _NUMBERS = {
     "pcie_gb_s": ("pcie_bandwidth", 1e9),
 }
 _TEXT = ("id", "name", "vendor", "arch", "source", "as_of")
-_GPU_FIELDS = frozenset(_TEXT) | frozenset(_NUMBERS) | {"tflops", "sm_count", "prices", "aliases"}
+_GPU_FIELDS = frozenset(_TEXT) | frozenset(_NUMBERS) | {"tflops", "sm_count", "prices", "aliases",
+                                                         "compute_capability"}
 _HOST_FIELDS = frozenset({"id", "vendor", "prices", "aliases", "source", "as_of"})
 
 
@@ -164,6 +166,17 @@ class _Row:
             raise self.fail(field, f"expected a date such as '2025-06-01', got {value!r}")
         return value.strip()
 
+    def capability(self, field: str, vendor: str) -> tuple[int, int] | None:
+        value = self.data[field]
+        if value is None and vendor != "nvidia":
+            return None
+        text = str(value).strip() if isinstance(value, str | int | float) and not isinstance(value, bool) else ""
+        major, dot, minor = text.partition(".")
+        if not (major.isdigit() and dot and minor.isdigit()):
+            raise self.fail(field, f"expected an NVIDIA compute capability such as '8.0'"
+                                   f"{' (null for non-NVIDIA parts)' if vendor != 'nvidia' else ''}, got {value!r}")
+        return int(major), int(minor)
+
     def names(self, field: str) -> tuple[str, ...]:
         value = self.data[field]
         if not isinstance(value, list) or not all(isinstance(v, str | int) for v in value):
@@ -191,7 +204,8 @@ def _gpu_spec(row: _Row) -> DeviceSpec:
     prices = row.numbers("prices", PRICE_SCENARIOS, 1.0)
     return DeviceSpec(id=row.text("id"), name=row.text("name"), vendor=vendor, arch=row.text("arch"),
                       flops=flops, sm_count=sm, prices=prices, aliases=row.names("aliases"),
-                      source=row.text("source"), as_of=row.day("as_of"), **si)
+                      source=row.text("source"), as_of=row.day("as_of"),
+                      compute_capability=row.capability("compute_capability", vendor), **si)
 
 
 def _host_row(row: _Row) -> _HostRow:
