@@ -84,6 +84,35 @@ def test_tiny_production_matches_eager(family):
     _assert_close(ref_logits, logits)
 
 
+def _variant(kind: str):
+    from transformers import MistralConfig, Qwen2Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0, dtype="bfloat16")
+    if kind == "qwen2":  # q/k/v biases, tied embeddings
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if kind == "mistral":  # sliding window shorter than the generated sequence
+        return MistralConfig(**common, head_dim=16, sliding_window=4)
+    # Qwen3-MoE: per-head q/k RMSNorms; layer 0 dense (mlp_only_layers), layer 1 MoE
+    return Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          mlp_only_layers=[0], decoder_sparse_step=1)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3_moe"])
+def test_other_decoders_match_eager(kind):
+    config = _variant(kind)
+    eager, prod, values = _pair("llm", config)
+    report = fusion_of(prod)
+    assert any("merged gate_up" in f for f in report.fused)
+    prompt = torch.randint(3, config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(4))
+    slots = torch.tensor([1, 0])
+    ref_logits, ref_tokens = _generate(eager, values, "llm", prompt, 32, slots)
+    logits, tokens = _generate(prod, values, "llm", prompt, 32, slots)
+    assert tokens == ref_tokens
+    _assert_close(ref_logits, logits)
+
+
 def test_production_llama_decode_layer_is_ten_fused_units():
     spec = resolve_model("smollm2-135m")
     config = tiny_config("llm")
