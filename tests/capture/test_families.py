@@ -140,4 +140,5 @@ def test_a_replay_keeps_no_argument_tensors_after_each_kernel():
 
     ex.run_kernel = watched
     ex.run(cpu_step.inputs, {k: v.clone() for k, v in cpu_step.state.items()})
-    assert len(activations) > 20 and all(r() is None for r in activations)  # every one freed and gone
+    # the production decode of the tiny llama has 18 single-output activations (the eager graph had more)
+    assert len(activations) > 15 and all(r() is None for r in activations)  # every one freed and gone
