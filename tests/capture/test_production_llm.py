@@ -21,6 +21,7 @@ from tessera.capture.families.llm import llm_step, new_kv_cache
 from tessera.capture.models import resolve_model
 from tessera.capture.phases import StepShape, build_model, step_for
 from tessera.capture.production import fusion_of
+from tessera.capture.production.moe import Mxfp4Experts
 from tessera.capture.tiny import tiny_config
 from tessera.capture.trace import trace
 
@@ -31,10 +32,19 @@ LLAMA_LAYER = ["add_rms_norm", "merged_linear", "rotary_", "kv_write", "decode_a
 
 
 def _pair(family: str, config):
-    """The same random weights as an eager and a production model."""
+    """The same weights as an eager and a production model. Where production holds weights in a packed format
+    (GPT-oss's MXFP4 experts), the eager model gets the bf16 values the packed weights stand for."""
     eager, values = instantiate(lambda: build_model(family, config, graph="eager"), "cpu", seed=0)
     prod, _ = instantiate(lambda: build_model(family, config, graph="production"), "cpu", seed=1)
-    prod.load_state_dict(eager.state_dict())
+    shared = {k: v for k, v in eager.state_dict().items() if k in prod.state_dict()}
+    missing, _ = prod.load_state_dict(shared, strict=False)
+    with torch.no_grad():
+        for e_mod, p_mod in zip(eager.modules(), prod.modules(), strict=True):
+            if isinstance(p_mod, Mxfp4Experts):
+                gate_up, down = p_mod.dequantized()
+                e_mod.gate_up_proj.copy_(gate_up)
+                e_mod.down_proj.copy_(down)
+    assert all(m.endswith(("_blocks", "_scales")) for m in missing), missing
     return eager, prod, values
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tessera.graph.opclass import register_fused
+
 
 def _sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                      scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -93,3 +95,19 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
 def _(q, k, v, lengths, scale):
     b, h, s, d = q.shape
     return q.new_empty(b, s, h, v.shape[-1])
+
+
+def _decode_traffic(args, kwargs, out) -> tuple[int, int]:
+    """Each row reads its own cache slot (K and V), not the whole cache the op is given."""
+    q, k_cache, v_cache, slots, positions = args[:5]
+    rows = slots.numel()
+    per_row = (k_cache[0].numel() * k_cache.element_size() + v_cache[0].numel() * v_cache.element_size())
+    read = q.numel() * q.element_size() + rows * per_row + (slots.numel() + positions.numel()) * slots.element_size()
+    sinks = args[7] if len(args) > 7 else kwargs.get("sinks")
+    if sinks is not None:
+        read += sinks.numel() * sinks.element_size()
+    return read, out.numel() * out.element_size()
+
+
+# FLOPs of the attention ops are counted by name in tessera.graph.opclass (causal pairs, windows).
+register_fused("decode_attention", "attention", traffic=_decode_traffic)

@@ -30,4 +30,13 @@ def _(k, v, k_cache, v_cache, slots, positions):
     return None
 
 
-register_fused("kv_write", "copy", flops=lambda args, kwargs, out: 0)
+def _traffic(args, kwargs, out) -> tuple[int, int]:
+    """The new K and V (and the indices) are read; only their bytes are written into the caches."""
+    k, v, _k_cache, _v_cache, slots, positions = args[:6]
+    new = k.numel() * k.element_size() + v.numel() * v.element_size()
+    indices = slots.numel() * slots.element_size() + (0 if positions is None else
+                                                      positions.numel() * positions.element_size())
+    return new + indices, new
+
+
+register_fused("kv_write", "copy", flops=lambda args, kwargs, out: 0, traffic=_traffic)

@@ -12,9 +12,10 @@ Face weights (names unchanged); q, k and v are strided views of its output (``[B
 transpose, no copies), `tessera::rotary_` / `tessera::mrope_` rotate q and k in place, `tessera::kv_write`
 stores K and V in the engine cache, `tessera::prefill_attention` / `tessera::decode_attention` attend
 (GPT-oss: sinks and sliding windows). A dense MLP is the merged gate/up GEMM, `tessera::silu_and_mul`
-(or `gelu_tanh_and_mul`) and the down GEMM: 10 kernels per Llama layer. A MoE MLP goes to
-`tessera.capture.production.moe.moe_forward` when that module exists, else keeps the Hugging Face MoE
-forward (reported as a fallback). Embedding and LM head stay one kernel each; Hugging Face's CausalLM
+(or `gelu_tanh_and_mul`) and the down GEMM: 10 kernels per Llama layer. A MoE MLP runs
+`tessera.capture.production.moe.moe_forward` (router GEMM, top-k gating, alignment, two grouped GEMMs
+with the activation between, weighted sum); GPT-oss's experts are held in MXFP4, its deployed format
+(`apply_mxfp4`). Embedding and LM head stay one kernel each; Hugging Face's CausalLM
 forward (``logits_to_keep`` slice, ``lm_head``, weight tying) is kept.
 
 Forwards are replaced per module instance and module calls are kept (``layer(...)``,
@@ -27,7 +28,6 @@ the caches; rotary positions are the ``position_ids`` the step passes (decode: `
 from __future__ import annotations
 
 import functools
-import importlib
 import types
 
 import torch
@@ -35,6 +35,7 @@ from torch import nn
 
 from tessera.capture.ops import current_step
 from tessera.capture.production import FusionReport
+from tessera.capture.production.moe import apply_mxfp4, moe_forward
 
 ops = torch.ops.tessera
 
@@ -118,7 +119,7 @@ def _dense_mlp_forward(self, x: torch.Tensor, *, act: str) -> torch.Tensor:
     return self.down_proj(getattr(ops, act)(gate_up))
 
 
-def _moe_mlp_forward(self, x: torch.Tensor, *, moe_forward) -> torch.Tensor:
+def _moe_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     return moe_forward(self, x.reshape(-1, shape[-1])).view(shape)
 
@@ -168,14 +169,6 @@ def _model_forward(self, input_ids=None, attention_mask=None, position_ids=None,
 # Rewiring
 
 
-def _moe_forward_fn():
-    try:
-        module = importlib.import_module("tessera.capture.production.moe")
-    except ImportError:
-        return None
-    return getattr(module, "moe_forward", None)
-
-
 def _window_of(attn: nn.Module) -> int:
     if hasattr(attn, "sliding_window"):
         return int(attn.sliding_window or 0)
@@ -217,7 +210,6 @@ def apply_text_decoder(text_model: nn.Module, rope: str = "rope", output_type=No
         return FusionReport("production", fallbacks=[f"{type(text_model).__name__}: {e}; the Hugging Face eager "
                                                      "forward is traced op by op"])
     report = FusionReport("production")
-    moe_forward = _moe_forward_fn()
     dense = moe = 0
     for layer in text_model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -226,8 +218,7 @@ def apply_text_decoder(text_model: nn.Module, rope: str = "rope", output_type=No
         kind = type(mlp).__name__
         if kind in _MOE_MLPS:
             moe += 1
-            if moe_forward is not None:
-                mlp.forward = types.MethodType(functools.partial(_moe_mlp_forward, moe_forward=moe_forward), mlp)
+            mlp.forward = types.MethodType(_moe_mlp_forward, mlp)
         elif all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
             act = _ACTS.get(str(getattr(mlp.config, "hidden_act", "")))
             if act is None:
@@ -250,11 +241,8 @@ def apply_text_decoder(text_model: nn.Module, rope: str = "rope", output_type=No
     if dense:
         report.fused.append(f"merged gate_up GEMM + gated activation ({dense} dense MLPs)")
     if moe:
-        if moe_forward is not None:
-            report.fused.append(f"moe_forward ({moe} MoE MLPs)")
-        else:
-            report.fallbacks.append(f"{moe} MoE MLPs keep the Hugging Face MoE forward "
-                                    "(tessera.capture.production.moe.moe_forward is not available)")
+        report.fused.append(f"MoE pipeline: router GEMM, top-k gating, alignment, grouped GEMMs, activation, "
+                            f"weighted sum ({moe} MoE MLPs)")
     return report
 
 
@@ -264,4 +252,9 @@ def apply(model: nn.Module) -> FusionReport:
 
     model_type = str(getattr(model.config, "model_type", ""))
     output_type = MoeModelOutputWithPast if model_type in _MOE_OUTPUT_TYPES else BaseModelOutputWithPast
-    return apply_text_decoder(model.model, rope="rope", output_type=output_type)
+    report = apply_text_decoder(model.model, rope="rope", output_type=output_type)
+    if model_type == "gpt_oss" and not report.fallbacks:
+        # GPT-oss is published and served with MXFP4 experts: its production graph holds them in that format.
+        layers = apply_mxfp4(model)
+        report.fused.append(f"MXFP4 experts, the deployed format ({layers} layers)")
+    return report
