@@ -34,14 +34,14 @@ TEXT_TOL = {"atol": 2e-2, "rtol": 2e-2}
 
 # One vision block of the production graph: (scope relative to model.visual.blocks.<i>, op)
 BLOCK = [
-    ("norm1", "tessera.vision_rms_norm.default"),
+    ("norm1", "tessera.rms_norm.default"),
     ("attn.qkv", "aten.addmm.default"),
     ("attn", "tessera.vision_rotary_.default"),
     ("attn", "tessera.segment_attention.default"),
     ("attn.proj", "aten.addmm.default"),
-    ("norm2", "tessera.vision_add_rms_norm.default"),
-    ("mlp", "tessera.vision_merged_linear.default"),
-    ("mlp", "tessera.vision_silu_and_mul.default"),
+    ("norm2", "tessera.add_rms_norm.default"),
+    ("mlp", "tessera.merged_linear.default"),
+    ("mlp", "tessera.silu_and_mul.default"),
     ("mlp.down_proj", "aten.addmm.default"),
     ("", "aten.add.Tensor"),
 ]
@@ -51,7 +51,7 @@ HEAD = [  # before the blocks, once per encode
     ("model.visual.rotary_pos_emb", "tessera.vision_rope_cos_sin.default"),
 ]
 TAIL = [  # after the blocks
-    ("model.visual.merger.ln_q", "tessera.vision_rms_norm.default"),
+    ("model.visual.merger.ln_q", "tessera.rms_norm.default"),
     ("model.visual.merger.mlp.0", "aten.addmm.default"),
     ("model.visual.merger.mlp.1", "aten.gelu.default"),
     ("model.visual.merger.mlp.2", "aten.addmm.default"),

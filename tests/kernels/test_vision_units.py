@@ -7,7 +7,6 @@ against the Hugging Face Qwen2.5-VL modules / functions the units replace, bit f
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -52,31 +51,6 @@ def test_vision_rotary_accesses_on_separate_tensors():
     assert_accesses_true(torch.ops.tessera.vision_rotary_, (q, k, cos, sin))
 
 
-def test_vision_rms_norm_accesses():
-    x = torch.randn(N, 32).to(BF16)
-    assert_accesses_true(torch.ops.tessera.vision_rms_norm, (x, torch.randn(32).to(BF16), 1e-6))
-    # a strided input (every other row of a bigger activation)
-    big = torch.randn(2 * N, 32).to(BF16)
-    assert_accesses_true(torch.ops.tessera.vision_rms_norm, (big[::2], torch.randn(32).to(BF16), 1e-6))
-
-
-def test_vision_add_rms_norm_accesses():
-    x, res = torch.randn(N, 32).to(BF16), torch.randn(N, 32).to(BF16)
-    assert_accesses_true(torch.ops.tessera.vision_add_rms_norm, (x, res, torch.randn(32).to(BF16), 1e-6))
-
-
-@pytest.mark.parametrize("bias", [True, False])
-def test_vision_merged_linear_accesses(bias):
-    x = torch.randn(N, 32).to(BF16)
-    weights = [torch.randn(24, 32).to(BF16), torch.randn(24, 32).to(BF16)]
-    biases = [torch.randn(24).to(BF16), torch.randn(24).to(BF16)] if bias else []
-    assert_accesses_true(torch.ops.tessera.vision_merged_linear, (x, weights, biases))
-
-
-def test_vision_silu_and_mul_accesses():
-    assert_accesses_true(torch.ops.tessera.vision_silu_and_mul, (torch.randn(N, 48).to(BF16),))
-
-
 def test_segment_attention_accesses_on_views_of_the_qkv_output():
     """The production tower passes q/k/v as [1,H,N,D] views of the qkv output, not copies."""
     qkv = torch.randn(N + 2, 3 * H * D).to(BF16)[1:-1].view(N, 3, H, D)  # guard rows around the output
@@ -118,8 +92,8 @@ def test_norms_match_hugging_face():
     with torch.no_grad():
         norm.weight.copy_(torch.randn(32))
         x, res = torch.randn(N, 32).to(BF16), torch.randn(N, 32).to(BF16)
-        assert torch.equal(torch.ops.tessera.vision_rms_norm(x, norm.weight, 1e-6), norm(x))
-        normed, summed = torch.ops.tessera.vision_add_rms_norm(x, res, norm.weight, 1e-6)
+        assert torch.equal(torch.ops.tessera.rms_norm(x, norm.weight, 1e-6), norm(x))
+        normed, summed = torch.ops.tessera.add_rms_norm(x, res, norm.weight, 1e-6)
         assert torch.equal(summed, res + x) and torch.equal(normed, norm(res + x))
 
 
@@ -131,10 +105,10 @@ def test_mlp_units_match_hugging_face():
     mlp = Qwen2_5_VLMLP(vcfg, bias=True).to(BF16)
     x = torch.randn(N, 32).to(BF16)
     with torch.no_grad():
-        gate_up = torch.ops.tessera.vision_merged_linear(
+        gate_up = torch.ops.tessera.merged_linear(
             x, [mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias])
         torch.testing.assert_close(gate_up, torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1), atol=0, rtol=0)
-        act = torch.ops.tessera.vision_silu_and_mul(gate_up)
+        act = torch.ops.tessera.silu_and_mul(gate_up)
         assert torch.equal(act, F.silu(gate_up[:, :24]) * gate_up[:, 24:])
         torch.testing.assert_close(mlp.down_proj(act), mlp(x), atol=1e-2, rtol=1e-2)
 
@@ -144,13 +118,13 @@ def test_mlp_units_match_hugging_face():
 
 
 def test_cost_facts_are_declared():
-    classes = {"vision_rope_cos_sin": "elementwise", "vision_rotary_": "elementwise", "vision_rms_norm": "norm",
-               "vision_add_rms_norm": "norm", "vision_merged_linear": "gemm", "vision_silu_and_mul": "elementwise"}
+    classes = {"vision_rope_cos_sin": "elementwise", "vision_rotary_": "elementwise", "rms_norm": "norm",
+               "add_rms_norm": "norm", "merged_linear": "gemm", "silu_and_mul": "elementwise"}
     for name, cls in classes.items():
         assert FUSED[name].op_class == cls
         assert op_class(f"tessera.{name}.default") == cls
     # gate_up of Qwen2.5-VL-7B: [N,1280] x 2 x [3420,1280] (+ biases) is one GEMM N x 6840 x 1280
     shapes = [[5184, 1280], [3420, 1280], [3420, 1280], [3420], [3420]]
-    assert FUSED["vision_merged_linear"].gemm(shapes) == (1, 5184, 6840, 1280)
+    assert FUSED["merged_linear"].gemm(shapes) == (1, 5184, 6840, 1280)
     x, w = torch.empty(5184, 1280, device="meta"), [torch.empty(3420, 1280, device="meta")] * 2
-    assert FUSED["vision_merged_linear"].flops((x, w, []), {}, None) == 2 * 5184 * 6840 * 1280
+    assert FUSED["merged_linear"].flops((x, w, []), {}, None) == 2 * 5184 * 6840 * 1280

@@ -10,26 +10,13 @@ Vision-specific units:
   One kernel where Hugging Face's eager forward runs about ten (casts, two rotate_half slices, cat,
   muls, adds, casts back).
 
-Units that duplicate the dense ops of `tessera.kernels` (norm / linear / activation), defined here under
-private ``vision_`` names so the vision tower does not depend on them; they compute exactly what Hugging
-Face's eager modules compute (same casts, same rounding points), so the production tower matches the
-eager one closely:
-
-- `tessera::vision_rms_norm` (= ``rms_norm``): ``weight * (x * rsqrt(mean(x^2) + eps))`` in float32,
-  cast back before the weight multiply.
-- `tessera::vision_add_rms_norm` (= ``add_rms_norm``, functional): ``residual + x`` and its RMSNorm, both
-  returned (vLLM's fused add+RMSNorm, without the in-place update).
-- `tessera::vision_merged_linear` (= ``merged_linear``): several weights (and biases) of one input as one
-  GEMM, outputs concatenated along the last dim (the MLP's gate and up projections).
-- `tessera::vision_silu_and_mul` (= ``silu_and_mul``): ``silu(x[..., :I]) * x[..., I:]``.
+The rest of a vision block runs the dense units (`rms_norm`, `add_rms_norm`, `merged_linear`,
+`silu_and_mul`), which compute exactly what Hugging Face's vision modules compute.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 
 from tessera.graph.opclass import register_fused
 
@@ -69,93 +56,10 @@ def _(q, k, cos, sin):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Norms (duplicates of the dense rms_norm / add_rms_norm)
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-@torch.library.custom_op("tessera::vision_rms_norm", mutates_args=())
-def vision_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim. x [..., C], weight [C] -> [..., C] (the weight's dtype promotion)."""
-    return _rms(x, weight, eps).contiguous()
-
-
-@vision_rms_norm.register_fake
-def _(x, weight, eps):
-    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
-
-
-@torch.library.custom_op("tessera::vision_add_rms_norm", mutates_args=())
-def vision_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add and RMSNorm. x, residual [..., C] -> (rms_norm(residual + x), residual + x)."""
-    summed = residual + x
-    return _rms(summed, weight, eps).contiguous(), summed.contiguous()
-
-
-@vision_add_rms_norm.register_fake
-def _(x, residual, weight, eps):
-    summed = torch.promote_types(x.dtype, residual.dtype)
-    return (x.new_empty(x.shape, dtype=torch.promote_types(summed, weight.dtype)),
-            x.new_empty(x.shape, dtype=summed))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Merged projection and activation (duplicates of the dense merged_linear / silu_and_mul)
-
-
-@torch.library.custom_op("tessera::vision_merged_linear", mutates_args=())
-def vision_merged_linear(x: torch.Tensor, weights: list[torch.Tensor],
-                         biases: list[torch.Tensor]) -> torch.Tensor:
-    """One GEMM for several projections of x. x [..., K], weights [N_i, K], biases [N_i] (one per weight,
-    or none) -> [..., sum N_i]."""
-    weight = torch.cat(list(weights), dim=0)
-    bias = torch.cat(list(biases), dim=0) if biases else None
-    return F.linear(x, weight, bias)
-
-
-@vision_merged_linear.register_fake
-def _(x, weights, biases):
-    return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
-
-
-@torch.library.custom_op("tessera::vision_silu_and_mul", mutates_args=())
-def vision_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:] [..., I]."""
-    half = x.shape[-1] // 2
-    return F.silu(x[..., :half]) * x[..., half:]
-
-
-@vision_silu_and_mul.register_fake
-def _(x):
-    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
-
-
-# ---------------------------------------------------------------------------------------------------
 # Cost facts
-
-
-def _merged_linear_gemm(shapes: list[list[int]]) -> tuple[int, int, int, int]:
-    x = shapes[0]
-    return 1, math.prod(x[:-1]), sum(s[0] for s in shapes[1:] if len(s) == 2), x[-1]
-
-
-def _merged_linear_flops(args, kwargs, out) -> int:
-    x, weights = args[0], args[1]
-    m, k = math.prod(x.shape[:-1]), x.shape[-1]
-    n = sum(w.shape[0] for w in weights)
-    return 2 * m * n * k + (m * n if args[2] else 0)
 
 
 register_fused("vision_rope_cos_sin", "elementwise",
                flops=lambda args, kwargs, out: 4 * out[0].numel())
 register_fused("vision_rotary_", "elementwise",
                flops=lambda args, kwargs, out: 3 * (args[0].numel() + args[1].numel()))
-register_fused("vision_rms_norm", "norm", flops=lambda args, kwargs, out: 4 * args[0].numel())
-register_fused("vision_add_rms_norm", "norm", flops=lambda args, kwargs, out: 5 * args[0].numel())
-register_fused("vision_merged_linear", "gemm", flops=_merged_linear_flops, gemm=_merged_linear_gemm)
-register_fused("vision_silu_and_mul", "elementwise", flops=lambda args, kwargs, out: 5 * out.numel())

@@ -29,8 +29,8 @@ from torch import nn
 import tessera.kernels  # noqa: F401 - registers the tessera:: ops
 from tessera.capture.production import FusionReport
 
-VISION_UNITS = ["patch_embed GEMM", "vision_rope_cos_sin", "vision_rms_norm", "vision_rotary_",
-                "segment_attention", "vision_add_rms_norm", "vision_merged_linear", "vision_silu_and_mul"]
+VISION_UNITS = ["patch_embed GEMM", "vision_rope_cos_sin", "rms_norm", "vision_rotary_",
+                "segment_attention", "add_rms_norm", "merged_linear", "silu_and_mul"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -38,7 +38,7 @@ VISION_UNITS = ["patch_embed GEMM", "vision_rope_cos_sin", "vision_rms_norm", "v
 
 
 def _rms_norm_forward(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.tessera.vision_rms_norm(x, norm.weight, float(norm.variance_epsilon))
+    return torch.ops.tessera.rms_norm(x, norm.weight, float(norm.variance_epsilon))
 
 
 def _add_rms_norm_forward(norm: nn.Module, x: torch.Tensor,
@@ -46,7 +46,7 @@ def _add_rms_norm_forward(norm: nn.Module, x: torch.Tensor,
     """``norm(x)``, or with ``residual`` (residual + x, its norm) as (normed, new residual)."""
     if residual is None:
         return _rms_norm_forward(norm, x)
-    return torch.ops.tessera.vision_add_rms_norm(x, residual, norm.weight, float(norm.variance_epsilon))
+    return torch.ops.tessera.add_rms_norm(x, residual, norm.weight, float(norm.variance_epsilon))
 
 
 def _patch_embed_forward(embed: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -78,9 +78,9 @@ def _attention_forward(attn: nn.Module, hidden_states: torch.Tensor, cu_seqlens=
 def _mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """gate and up projections as one GEMM, SiluAndMul, down GEMM."""
     biases = [mlp.gate_proj.bias, mlp.up_proj.bias]
-    gate_up = torch.ops.tessera.vision_merged_linear(
+    gate_up = torch.ops.tessera.merged_linear(
         x, [mlp.gate_proj.weight, mlp.up_proj.weight], [] if biases[0] is None else biases)
-    return mlp.down_proj(torch.ops.tessera.vision_silu_and_mul(gate_up))
+    return mlp.down_proj(torch.ops.tessera.silu_and_mul(gate_up))
 
 
 def _block_forward(block: nn.Module, hidden_states: torch.Tensor, cu_seqlens=None,
