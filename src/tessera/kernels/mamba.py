@@ -349,13 +349,15 @@ register_fused("ssd_bmm_chunk", "gemm", gemm=_bmm_chunk_gemm,
 
 
 @torch.library.custom_op("tessera::ssd_chunk_scan", mutates_args=())
-def ssd_chunk_scan(CB: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, dA_cumsum: torch.Tensor, C: torch.Tensor,
+def ssd_chunk_scan(x: torch.Tensor, CB: torch.Tensor, dt: torch.Tensor, dA_cumsum: torch.Tensor, C: torch.Tensor,
                    states: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
     """The output: within-chunk (CB masked by the decay, applied to dt x) plus the chunk-start state read
     through C and decayed, plus the D skip.
 
-    CB [B, nc, G, L, L], x [B, nc, L, H, P], dt/dA_cumsum [B, H, nc, L], C [B, nc, L, G, N],
-    states [B, nc, H, P, N], D [H] -> y [B, nc, L, H, P] in x's dtype.
+    x [B, nc, L, H, P], CB [B, nc, G, L, L], dt/dA_cumsum [B, H, nc, L], C [B, nc, L, G, N],
+    states [B, nc, H, P, N], D [H] -> y [B, nc, L, H, P] in x's dtype. (x comes first: mamba_ssm's kernel
+    runs both matrix products in x's dtype on tensor cores, CB and the states cast to it, and a recorded
+    kernel's compute dtype is its first floating argument's.)
     """
     h = x.shape[3]
     xf = x.float()
@@ -370,17 +372,17 @@ def ssd_chunk_scan(CB: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, dA_cumsu
 
 
 @ssd_chunk_scan.register_fake
-def _(CB, x, dt, dA_cumsum, C, states, D):
+def _(x, CB, dt, dA_cumsum, C, states, D):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _chunk_scan_gemm(s: list[list[int]]) -> tuple[int, int, int, int]:
-    (b, nc, L, h, p), n = s[1], s[4][-1]
+    (b, nc, L, h, p), n = s[0], s[4][-1]
     return b * nc * h, L, p, L + n  # per (row, chunk, head): [CB*decay | C] [L, L+N] @ [dt x ; state^T]
 
 
 def _chunk_scan_flops(a, k, out) -> int:
-    b, nc, L, h, p = a[1].shape
+    b, nc, L, h, p = a[0].shape
     return 2 * b * nc * h * L * p * (L + a[4].shape[-1]) + 4 * out.numel()
 
 

@@ -102,7 +102,7 @@ def _mixer_forward(self, hidden_states: torch.Tensor, cache=None, **_kwargs):
     states = _ops.ssd_chunk_state(B, x, dt, dA_cumsum)
     states = _ops.ssd_state_passing(states, dA_cumsum, ssm_state, slots)
     CB = _ops.ssd_bmm_chunk(C, B)
-    y = _ops.ssd_chunk_scan(CB, x, dt, dA_cumsum, C, states, self.D)  # [B, nc, L, H, P]
+    y = _ops.ssd_chunk_scan(x, CB, dt, dA_cumsum, C, states, self.D)  # [B, nc, L, H, P]
     y = self.norm(y.view(b, nc * chunk, inner)[:, :s], z)
     return self.out_proj(y)
 
