@@ -37,10 +37,14 @@ def new_ssm_state(config, slots: int, dtype: torch.dtype, device: str | torch.de
 def ssm_state_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:
     """The SSM state's dtype for a built model: the model dtype in the production graph (vLLM's
     ``mamba_ssm_cache_dtype="auto"``), float32 in the eager graph (Hugging Face's cache)."""
+    return dtype if _is_production(model) else torch.float32
+
+
+def _is_production(model: nn.Module) -> bool:
     from tessera.capture.production import fusion_of
 
     report = fusion_of(model)
-    return dtype if report is not None and report.graph == "production" else torch.float32
+    return report is not None and report.graph == "production"
 
 
 class SlotStateCache:
@@ -114,7 +118,10 @@ def ssm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mode
         state = new_ssm_state(config, slots or batch, dtype, device, ssm_state_dtype(model, dtype))
     if inputs is None:
         inputs = llm_inputs(phase, batch, seq, device)
-    mixers = [m for m in model.modules() if type(m).__name__ == "Mamba2Mixer"]
+    # Hugging Face's eager mixers gather the rows' state and leave it to the cache to scatter it back; the
+    # production mixers' kernels update the slots in place
+    eager = not _is_production(model)
+    mixers = [m for m in model.modules() if type(m).__name__ == "Mamba2Mixer"] if eager else []
 
     def fn(inp, st, _consts):
         cache = SlotStateCache(phase, inp["slots"], st, config.conv_kernel)

@@ -76,6 +76,9 @@ def _mixer_forward(self, hidden_states: torch.Tensor, cache=None, **_kwargs):
     b, s, _ = hidden_states.shape
     inner, conv_dim, heads = self.intermediate_size, self.conv_dim, self.num_heads
     gn = self.n_groups * self.ssm_state_size
+    if cache is None or not hasattr(cache, "state"):
+        raise RuntimeError("the production Mamba2 mixer runs inside a Tessera step: it needs the step's slot cache "
+                           "(engine-owned conv / SSM state, see tessera.capture.families.ssm)")
     conv_state = cache.state[f"cache.layer{self.layer_idx}.conv"]
     ssm_state = cache.state[f"cache.layer{self.layer_idx}.ssm"]
     slots = cache.slots
