@@ -23,20 +23,36 @@ def state_shapes(config, slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (slots, conv_dim, config.conv_kernel), (slots, config.num_heads, config.head_dim, config.state_size)
 
 
-def new_ssm_state(config, slots: int, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
-    """Engine-owned state: ``cache.layer{i}.conv`` (model dtype) and ``cache.layer{i}.ssm`` (float32)."""
+def new_ssm_state(config, slots: int, dtype: torch.dtype, device: str | torch.device,
+                  ssm_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Engine-owned state: ``cache.layer{i}.conv`` (model dtype) and ``cache.layer{i}.ssm`` (``ssm_dtype``)."""
     conv, ssm = state_shapes(config, slots)
     state = {}
     for i in range(config.num_hidden_layers):
         state[f"cache.layer{i}.conv"] = torch.zeros(conv, dtype=dtype, device=device)
-        state[f"cache.layer{i}.ssm"] = torch.zeros(ssm, dtype=torch.float32, device=device)
+        state[f"cache.layer{i}.ssm"] = torch.zeros(ssm, dtype=ssm_dtype, device=device)
     return state
+
+
+def ssm_state_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """The SSM state's dtype for a built model: the model dtype in the production graph (vLLM's
+    ``mamba_ssm_cache_dtype="auto"``), float32 in the eager graph (Hugging Face's cache)."""
+    return dtype if _is_production(model) else torch.float32
+
+
+def _is_production(model: nn.Module) -> bool:
+    from tessera.capture.production import fusion_of
+
+    report = fusion_of(model)
+    return report is not None and report.graph == "production"
 
 
 class SlotStateCache:
     """The cache interface Mamba2 mixers call, backed by rows (slots) of engine-owned state.
 
-    Prefill starts each row from a zero state and writes its final conv window and SSM state into the
+    The production graph's mixers (`tessera.capture.production.mamba2`) read ``phase``, ``slots`` and
+    ``state`` and let their fused kernels update the rows in place. For Hugging Face's eager mixers:
+    prefill starts each row from a zero state and writes its final conv window and SSM state into the
     row's slot. Decode gathers the rows' slots, lets the mixer update them in place, and scatters them
     back when the mixer returns (``flush``).
     """
@@ -99,10 +115,13 @@ def ssm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mode
     config = model.config
     dtype = next(model.parameters()).dtype
     if state is None:
-        state = new_ssm_state(config, slots or batch, dtype, device)
+        state = new_ssm_state(config, slots or batch, dtype, device, ssm_state_dtype(model, dtype))
     if inputs is None:
         inputs = llm_inputs(phase, batch, seq, device)
-    mixers = [m for m in model.modules() if type(m).__name__ == "Mamba2Mixer"]
+    # Hugging Face's eager mixers gather the rows' state and leave it to the cache to scatter it back; the
+    # production mixers' kernels update the slots in place
+    eager = not _is_production(model)
+    mixers = [m for m in model.modules() if type(m).__name__ == "Mamba2Mixer"] if eager else []
 
     def fn(inp, st, _consts):
         cache = SlotStateCache(phase, inp["slots"], st, config.conv_kernel)
