@@ -96,7 +96,7 @@ def expert_part_times(feature: KernelFeatures, models: list[CostModel], parts: i
                       routing: RoutingDistribution) -> np.ndarray:
     """[P, D] seconds of each expert part (part 0 the hottest experts) on each model's device."""
     feats = part_features(feature, parts, routing)
-    return np.array([[kernel_time(f, m.device, m.efficiency.classes[f.cost_class], m.options).time_s for m in models]
+    return np.array([[kernel_time(f, m.device, m.efficiency.for_kernel(f.cost_class, f.op), m.options).time_s for m in models]
                      for f in feats])
 
 
@@ -126,7 +126,7 @@ def combine_features(feature: KernelFeatures) -> KernelFeatures:
 def combine_times(feature: KernelFeatures, models: list[CostModel]) -> np.ndarray:
     """[D] seconds of the combine of a split expert GEMM on each model's device."""
     f = combine_features(feature)
-    return np.array([kernel_time(f, m.device, m.efficiency.classes[f.cost_class], m.options).time_s for m in models])
+    return np.array([kernel_time(f, m.device, m.efficiency.for_kernel(f.cost_class, f.op), m.options).time_s for m in models])
 
 
 # ---------------------------------------------------------------------------------------------------------

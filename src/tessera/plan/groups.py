@@ -451,7 +451,7 @@ def group_kernel_times(graph: KernelGraph, features: list[KernelFeatures], model
         if shard.features == (f,):
             compute[i] = cost.time_s
         else:
-            compute[i] = max(kernel_time(sf, model.device, model.efficiency.classes[sf.cost_class],
+            compute[i] = max(kernel_time(sf, model.device, model.efficiency.for_kernel(sf.cost_class, sf.op),
                                          model.options).time_s for sf in shard.features)
     collective = np.array([s.collective_s for s in shards], dtype=float)
     return GroupTimes(compute, collective, compute + collective, tuple(s.rule for s in shards))
