@@ -31,7 +31,11 @@ def test_full_size_trace(built, phase):
     layers = config.num_hidden_layers
     assert {k.layer for k in graph.kernels if k.layer is not None} == set(range(layers))
     # every weight of the model is a buffer of the step, each storage once (tied weights aliased)
-    assert sum(b.nbytes for b in graph.buffers.values() if b.kind == "weight") == spec.params * 2
+    weight_bytes = sum(b.nbytes for b in graph.buffers.values() if b.kind == "weight")
+    if spec.name == "gpt-oss-20b":  # experts in MXFP4 (4.25 bits per weight), the rest bf16: ~13.8 GB deployed
+        assert 13.70e9 < weight_bytes < 13.85e9
+    else:
+        assert weight_bytes == spec.params * 2
     state = [b for b in graph.buffers.values() if b.kind == "state"]
     assert len(state) == 2 * layers
     if spec.family in ("llm", "moe"):

@@ -117,7 +117,7 @@ def test_decode_gemvs_stream_weights_faster_on_a100_small_elementwise_faster_on_
     assert lm_head.bytes > 50 * MB and lm_head.bound_a == lm_head.bound_b == "memory"
     assert lm_head.ratio > 1.5  # close to the bandwidth ratio
     small = [p for p in decode if p.cost_class == "elementwise" and p.bytes < 64 * 1024]
-    assert len(small) > 100
+    assert len(small) >= 2 * 30  # at least RoPE and SiLU-and-mul of each of the 30 layers
     assert all(p.time_b_s < p.time_a_s for p in small)
     assert a100_l40s.by_class["elementwise"].kernel_share("b") == 1.0
 

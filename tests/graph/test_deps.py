@@ -144,3 +144,24 @@ def test_meta_and_cpu_give_the_same_edges():
     gm = _graph(fn, {"x": torch.ones(6, 8)}, device="meta")
     gc = _graph(fn, {"x": torch.ones(6, 8)}, device="cpu")
     assert _edge_pairs(gm) == _edge_pairs(gc)
+
+
+def test_data_edges_charge_bytes_to_their_last_writer():
+    """A fused QKV output whose q and k RoPE rewrites in place: attention's q comes from RoPE, the KV write's v
+    from the GEMM, and the GEMM -> attention dependency carries no bytes."""
+    from tessera.capture.api import trace_model
+    from tessera.graph.dataflow import data_edges
+
+    g = trace_model("smollm2-135m", "decode", batch=2, ctx=16)
+    layer0: dict[str, int] = {}
+    for k in g.kernels:
+        if k.layer == 0:
+            layer0.setdefault(k.op.split(".")[1], k.index)  # the first of each op (QKV before gate-up)
+    edges = {(s, d): b for s, d, b in data_edges(g)}
+    qkv, rope, kv, attn = (layer0[n] for n in ("merged_linear", "rotary_", "kv_write", "decode_attention"))
+    q, kv_width = 2 * 9 * 64 * 2, 2 * 3 * 64 * 2  # batch 2, 9 query heads, 3 KV heads, head dim 64, bf16
+    assert edges[(qkv, rope)] == q + kv_width
+    assert edges[(qkv, kv)] == kv_width  # v
+    assert edges[(rope, kv)] == kv_width  # k, rotated
+    assert edges[(rope, attn)] == q
+    assert edges[(qkv, attn)] == 0

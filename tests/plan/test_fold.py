@@ -65,18 +65,19 @@ def test_step_problem_from_a_traced_graph(llama_tiny_problem):
     graph, sp = llama_tiny_problem
     p = sp.problem
     assert p.times.shape == (len(graph.kernels), 2) and np.isfinite(p.times).all()
-    # the K and V writers and the attention kernel of every layer are tied into one co-located set
+    # the KV write and the attention kernel of every layer are tied into one co-located set
     pairs = colocation(graph, data_edges(graph))
     for layer in range(32):
         users = sorted({a.kernel for a in graph.accesses if a.buffer.startswith(f"cache.layer{layer}.")})
         tied = {users[0]}
         for _ in users:
             tied |= {j for i, j in pairs if i in tied} | {i for i, j in pairs if j in tied}
-        assert len(users) == 3 and set(users) <= tied
-    # a q-projection output feeding the next kernel carries batch x hidden bf16 bytes
-    q = next(k for k in graph.kernels if k.scope.endswith("layers.0.self_attn.q_proj"))
-    out = [b for s, d, b in p.edges if s == q.index]
-    assert out and max(out) == 4 * 4096 * 2
+        assert len(users) == 2 and set(users) <= tied
+    # the merged QKV GEMM's q and k feed RoPE: batch x (q + k width) bf16 bytes, v goes to the KV write
+    qkv = next(k for k in graph.kernels if k.layer == 0 and k.op == "tessera.merged_linear.default")
+    out = sorted(b for s, d, b in p.edges if s == qkv.index)
+    # v to the KV write; q and k to RoPE, which carries them on: attention, reading q, gets nothing from the GEMM
+    assert out == [0, 4 * 1024 * 2, 4 * (4096 + 1024) * 2]
     items = memory_items(graph, sp_options(), 2)
     weights = sum(b.nbytes for b in graph.buffers.values() if b.kind == "weight")
     state = sum(b.nbytes for b in graph.buffers.values() if b.kind == "state")

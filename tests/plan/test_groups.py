@@ -37,6 +37,14 @@ BATCH, HIDDEN, VOCAB = 8, 4096, 128256
 
 @pytest.fixture(scope="module")
 def llama():
+    # The hand-computed shards below name each projection (q_proj, k_proj...): the eager graph runs them as
+    # separate GEMMs. The production graph's merged projections are checked in test_merged_qkv_...
+    g = trace_model("llama-3.1-8b", "decode", batch=BATCH, ctx=1024, graph="eager")
+    return g, FeatureExtractor(g).all()
+
+
+@pytest.fixture(scope="module")
+def llama_production():
     g = trace_model("llama-3.1-8b", "decode", batch=BATCH, ctx=1024)
     return g, FeatureExtractor(g).all()
 
@@ -188,7 +196,7 @@ def test_expert_parallel_all_to_all_uses_the_imbalance(gpt_oss):
     assert sorted(sum(layout, [])) == list(range(32)) and {len(h) for h in layout} == {8}
     assert max(probs[h].sum() for h in layout) * 4 == pytest.approx(imbalance)
     shards = shard_kernels(graph, feats, group, routing)
-    gemms = [k.index for k in graph.kernels if k.layer == 0 and k.op.endswith("_grouped_mm.default")]
+    gemms = [k.index for k in graph.kernels if k.layer == 0 and k.op_class == "grouped_gemm"]
     assert len(gemms) == 2
     for i in gemms:  # the busiest GPU runs imbalance / ep of the assignments
         assert len(shards[i].features) == 4
@@ -222,11 +230,13 @@ def test_memory_per_gpu(llama, gpt_oss):
     assert fp.state_bytes == pytest.approx(memory_footprint(graph, CostOptions(kv_dtype="fp8")).state_bytes / 4)
     moe, _ = gpt_oss
     ep4 = DeviceGroup(B200, 4, LINK, tp=4, ep=4)
-    assert weight_share("model.layers.0.mlp.experts.gate_up_proj", moe, ep4) == 1 / 4
+    assert weight_share("model.layers.0.mlp.experts.gate_up_proj_blocks", moe, ep4) == 1 / 4  # MXFP4
+    assert weight_share("model.layers.0.mlp.experts.gate_up_proj_scales", moe, ep4) == 1 / 4
     assert weight_share("model.layers.0.mlp.experts.down_proj_bias", moe, ep4) == 1 / 4
     assert weight_share("model.layers.0.mlp.router.weight", moe, ep4) == 1.0
     assert weight_share("model.layers.0.post_attention_layernorm.weight", moe, ep4) == 1.0
-    assert weight_share("model.layers.0.mlp.experts.down_proj", moe, DeviceGroup(B200, 3, LINK, tp=1, ep=3)) == 11 / 32
+    assert weight_share("model.layers.0.mlp.experts.down_proj_blocks", moe,
+                        DeviceGroup(B200, 3, LINK, tp=1, ep=3)) == 11 / 32
     with pytest.raises(DeviceGroupError, match="not a weight"):
         weight_share("cache.layer0.k", moe, ep4)
 
@@ -240,3 +250,22 @@ def test_mismatches_are_reported(llama, gpt_oss):
     moe, moe_feats = gpt_oss
     with pytest.raises(DeviceGroupError, match="has 32 experts but the routing distribution has 8"):
         shard_kernels(moe, moe_feats, DeviceGroup(B200, 2, LINK, tp=2, ep=2), RoutingDistribution(8, top_k=4))
+
+
+def test_merged_qkv_shares_q_by_tp_and_kv_by_kv_heads(llama_production):
+    """One QKV GEMM over q (4096 rows), k and v (1024 each, 8 KV heads): at tp 16 a GPU runs q/16 and the KV
+    heads' share 1/8 of k and v, weighted by their weights; its weights are shared the same way."""
+    graph, feats = llama_production
+    group = DeviceGroup(B200, 16, LINK, tp=16)
+    qkv = next(k.index for k in graph.kernels if k.layer == 0 and k.op == "tessera.merged_linear.default"
+               and k.scope.endswith("self_attn"))
+    shards = shard_kernels(graph, feats, group)
+    share = (4096 / 16 + 2 * 1024 / 8) / 6144
+    assert shards[qkv].rule == "column"
+    assert shards[qkv].features[0].flops == pytest.approx(feats[qkv].flops * share)
+    assert shards[qkv].features[0].weight_bytes == pytest.approx(feats[qkv].weight_bytes * share)
+    assert weight_share("model.layers.0.self_attn.q_proj.weight", graph, group) == 1 / 16
+    assert weight_share("model.layers.0.self_attn.k_proj.weight", graph, group) == 1 / 8
+    gate_up = next(k.index for k in graph.kernels if k.layer == 0 and k.op == "tessera.merged_linear.default"
+                   and k.scope.endswith("mlp"))
+    assert shards[gate_up].features[0].flops == pytest.approx(feats[gate_up].flops / 16)

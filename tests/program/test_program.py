@@ -14,9 +14,9 @@ from tessera.capture.step import Step
 from tessera.capture.tiny import tiny_config
 from tessera.capture.trace import trace
 from tessera.graph.dataflow import colocation_units
+from tessera.graph.ranges import Ranges
 from tessera.program.placements import synthetic_placement
 from tessera.program.program import PlacementError, build_programs, single_device_program
-from tessera.program.ranges import Ranges
 from tessera.sim.programs import simulate_programs
 
 

@@ -84,7 +84,8 @@ def build_modules(spec: ModelSpec, device: str = "meta", dtype: torch.dtype = to
         configs = {c: load_config(spec, c) for c in spec.components if c != "scheduler"}
         modules, values = build_sd3_components(configs, device=device, dtype=dtype, seed=seed)
         # Diffusion pipelines are served as diffusers runs them (eager, SDPA): its graph is the production one.
-        modules.tessera_fusion = FusionReport(graph)
+        for component in modules.values():
+            component.tessera_fusion = FusionReport(graph)
         return modules, values
     config = load_config(spec) if config is None else config
     return instantiate(lambda: build_model(spec.family, config, dtype, graph), device, seed=seed)

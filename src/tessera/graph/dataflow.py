@@ -6,28 +6,34 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import numpy as np
-
 from tessera.graph.ir import KernelGraph
-
-
-def _access_bytes(graph: KernelGraph) -> tuple[dict, dict]:
-    written: dict[tuple[int, str], int] = defaultdict(int)
-    read: dict[tuple[int, str], int] = defaultdict(int)
-    for a in graph.accesses:
-        n = int(np.prod(a.sizes)) * a.itemsize if a.sizes else a.itemsize
-        (written if a.mode == "write" else read)[(a.kernel, a.buffer)] += n
-    return written, read
+from tessera.graph.ranges import Ranges
 
 
 def data_edges(graph: KernelGraph) -> list[tuple[int, int, float]]:
-    """(producer, consumer, bytes) of every read-after-write dependency, coalesced per kernel pair."""
-    written, read = _access_bytes(graph)
-    pairs: dict[tuple[int, int], float] = defaultdict(float)
+    """(producer, consumer, bytes) of every read-after-write dependency, coalesced per kernel pair.
+
+    A consumer's bytes are charged to their last writer before it: a kernel that updates part of a buffer in
+    place (RoPE on the q and k of a fused QKV output) carries those bytes on, and the first writer carries only
+    the bytes nobody overwrote (v). A pair whose bytes were all overwritten keeps its dependency edge but
+    carries nothing."""
+    regions: dict[tuple[int, str, str], Ranges] = {}
+    for a in graph.accesses:
+        key = (a.kernel, a.buffer, a.mode)
+        r = Ranges.region(a.region)
+        regions[key] = regions[key] | r if key in regions else r
+    sources: dict[tuple[int, str], list[int]] = defaultdict(list)
     for e in graph.edges:
         if e.kind != "RAW" or graph.buffers[e.buffer].kind in ("weight", "constant", "state"):
             continue
-        pairs[(e.src, e.dst)] += min(written[(e.src, e.buffer)], read[(e.dst, e.buffer)])
+        sources[(e.dst, e.buffer)].append(e.src)
+    pairs: dict[tuple[int, int], float] = defaultdict(float)
+    for (dst, buffer), srcs in sources.items():
+        wanted = regions.get((dst, buffer, "read"), Ranges())
+        for src in sorted(set(srcs), reverse=True):  # the latest writer first
+            got = wanted & regions.get((src, buffer, "write"), Ranges())
+            pairs[(src, dst)] += got.nbytes
+            wanted = wanted - got
     return [(s, d, b) for (s, d), b in sorted(pairs.items())]
 
 

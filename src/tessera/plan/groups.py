@@ -193,6 +193,11 @@ def _leaf(kernel: Kernel) -> str:
     return _scope_parts(kernel.scope)[-1]
 
 
+def is_kv_projection(name: str) -> bool:
+    """Whether a weight (or a kernel scope) is a K or V projection, whose heads below tp are replicated."""
+    return any(p in KV_PROJECTIONS for p in _scope_parts(name))
+
+
 def kernel_rule(kernel: Kernel, feature: KernelFeatures) -> str:
     """The sharding rule of a kernel (one of RULES; see the module docstring)."""
     parts = _scope_parts(kernel.scope)
@@ -300,6 +305,21 @@ class _Sharder:
         self.kv_share = _head_share(kv_heads(graph), group.tp)
         self.replica_share = replica_share(graph, group)
         self.layout = expert_layout(routing, group.ep) if routing is not None else None
+        self.matrices: dict[int, dict[str, float]] = defaultdict(dict)  # kernel -> matrix weights it reads
+        for a in graph.accesses:
+            buf = graph.buffers[a.buffer]
+            if buf.kind == "weight" and len(buf.shape) >= 2:
+                self.matrices[a.kernel][a.buffer] = float(buf.nbytes)
+
+    def column_share(self, kernel: Kernel) -> float:
+        """Share of a column-parallel GEMM one GPU runs: 1/tp, the KV-head share for a K/V projection, and for
+        a merged projection (QKV as one GEMM) the weight-weighted mean of its parts' shares."""
+        tp = self.group.tp
+        weights = self.matrices.get(kernel.index)
+        if not weights or _leaf(kernel) in KV_PROJECTIONS:
+            return self.kv_share if _leaf(kernel) in KV_PROJECTIONS else 1.0 / tp
+        total = sum(weights.values())
+        return sum(n * (self.kv_share if is_kv_projection(name) else 1.0 / tp) for name, n in weights.items()) / total
 
     # dense rules -------------------------------------------------------------------------------------
     def dense(self, kernel: Kernel, f: KernelFeatures, rule: str) -> KernelShard:
@@ -308,7 +328,7 @@ class _Sharder:
         dims = f.gemm
         inp, out = self.io.split(f)
         if rule in ("column", "lm_head"):
-            w = self.kv_share if _leaf(kernel) in KV_PROJECTIONS else 1.0 / tp
+            w = self.column_share(kernel)
             gemm = None if dims is None else (dims[0], _ceil(dims[1] * r), _ceil(dims[2] * w), dims[3])
             sf = _with_dims(f, gemm, flops=f.flops * w * r, weight_bytes=f.weight_bytes * w,
                             kv_bytes=f.kv_bytes * r, other_bytes=(inp + out * w) * r)
@@ -481,7 +501,8 @@ def _weight_share(name: str, graph: KernelGraph, group: DeviceGroup, readers: di
         rule = rules[k]
         if rule in ("column", "row", "lm_head", "heads", "sharded"):
             kernel = graph.kernels[k]
-            share = max(share, kv_share if rule == "column" and _leaf(kernel) in KV_PROJECTIONS else 1.0 / group.tp)
+            kv = rule == "column" and (_leaf(kernel) in KV_PROJECTIONS or is_kv_projection(name))
+            share = max(share, kv_share if kv else 1.0 / group.tp)
         else:
             share = 1.0
     return share or 1.0

@@ -28,7 +28,7 @@ from tessera.errors import TesseraError
 from tessera.graph.codec import tensor_refs
 from tessera.graph.ir import KernelGraph, TensorRef
 from tessera.graph.overlap import Region
-from tessera.program.ranges import Ranges
+from tessera.graph.ranges import Ranges
 
 InstructionKind = Literal["run", "send", "recv", "free"]
 STATIC_KINDS = ("weight", "constant")

@@ -210,9 +210,7 @@ def _static_vision(visual: nn.Module) -> Iterator[None]:
     the production graph (`tessera.capture.production.qwen2_5_vl`) already takes the host-grid
     arguments and is left as it is.
     """
-    from tessera.capture.production.qwen2_5_vl import is_production_vision
-
-    if is_production_vision(visual):
+    if getattr(visual, "tessera_production", False):  # set by production.qwen2_5_vl.apply_vision
         yield
         return
     patched = [visual] + [block.attn for block in visual.blocks]

@@ -87,6 +87,8 @@ def apply_production(model: nn.Module, config, graph: str = DEFAULT_GRAPH) -> Fu
     return report
 
 
-def fusion_of(model: nn.Module) -> FusionReport | None:
-    """The report `apply_production` attached to ``model`` (None for a model it never saw)."""
+def fusion_of(model: nn.Module | dict[str, nn.Module]) -> FusionReport | None:
+    """The report attached to ``model`` (a pipeline's components: the first one's); None if it has none."""
+    if isinstance(model, dict):
+        return next((fusion_of(m) for m in model.values()), None)
     return getattr(model, "tessera_fusion", None)
