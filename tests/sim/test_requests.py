@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from tessera.cli.main import app
 from tessera.cost.model import CostModel
+from tessera.cost.options import CostOptions
 from tessera.hardware.cluster import Link, parse_cluster
 from tessera.hardware.devices import resolve_device
 from tessera.plan.context import PlanContext
@@ -140,8 +141,12 @@ def test_simulate_cli_json_and_errors(tmp_path):
 
 
 def test_a_plan_that_does_not_fit_is_not_simulated():
-    ctx = PlanContext("gpt-oss-20b", parse_cluster("L4:1"), parse_workload(WORKLOAD), WORKLOAD, 4)
-    plan = plan_policy(ctx, "homogeneous")  # about 40 GB of bf16 weights on a 24 GB L4
+    # gpt-oss-20b deployed in MXFP4 (13.8 GB) fits a 24 GB L4; with its experts in bf16 (about 42 GB) it does not
+    ctx = PlanContext("gpt-oss-20b", parse_cluster("L4:1"), parse_workload(WORKLOAD), WORKLOAD, 4,
+                      options=CostOptions(weights_dtype="bf16"))
+    assert plan_policy(PlanContext("gpt-oss-20b", parse_cluster("L4:1"), parse_workload(WORKLOAD), WORKLOAD, 4),
+                       "homogeneous").feasible
+    plan = plan_policy(ctx, "homogeneous")
     assert not plan.feasible
     with pytest.raises(SimulationSetupError, match="not feasible"):
         simulate(ctx, plan)

@@ -66,7 +66,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from tessera.cost.collectives import all_gather_time, all_reduce_time, all_to_all_time
-from tessera.cost.features import GEMV_MAX_ROWS, KernelFeatures, cost_class, is_kv_buffer
+from tessera.cost.features import GEMV_MAX_ROWS, KernelFeatures, cost_class, gemm_dims, is_kv_buffer
 from tessera.cost.model import CostModel, MemoryFootprint
 from tessera.cost.options import TRACE_DTYPE_BITS, CostOptions
 from tessera.cost.roofline import kernel_time
@@ -292,8 +292,11 @@ def default_routing(graph: KernelGraph, skew: float = 0.0) -> RoutingDistributio
     rows per token (batch x seq of the trace); None for a graph without grouped GEMMs."""
     tokens = int(graph.meta.get("batch", 1)) * int(graph.meta.get("seq", 1))
     for k in graph.kernels:
-        if cost_class(k) == "grouped_gemm" and len(k.shapes) > 1 and len(k.shapes[1]) == 3:
-            experts, rows = k.shapes[1][0], k.shapes[0][0]
+        dims = gemm_dims(k)
+        # the expert weights are the second argument ([E, K, N]; MXFP4 blocks [E, N, K/32, 16]); M rows are
+        # token-expert assignments (the first GEMM of the MoE pipeline gathers them from the tokens)
+        if cost_class(k) == "grouped_gemm" and dims is not None and len(k.shapes) > 1 and len(k.shapes[1]) >= 3:
+            experts, rows = k.shapes[1][0], dims[1]
             return RoutingDistribution(experts, max(1, min(experts, rows // max(tokens, 1))), skew)
     return None
 

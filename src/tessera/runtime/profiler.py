@@ -123,16 +123,20 @@ def _denormals_flushed(target: ProfileTarget):
         torch.set_flush_denormal(False)
 
 
-def _written_views(kernel: Kernel) -> list[TensorRef]:
-    """Views a kernel writes into one of its own arguments (in place), which a rerun overwrites."""
-    args = {r.buffer for r in tensor_refs(kernel.args) + tensor_refs(list(kernel.kwargs.values()))}
-    return [TensorRef.from_json(o) for o in kernel.outputs if o is not None and o[0] in args]
+def _written_views(kernel: Kernel, written: set[str]) -> list[TensorRef]:
+    """Views a kernel writes into one of its own arguments (in place), which a rerun overwrites: in-place aten
+    ops return them; custom ops that mutate arguments (``written``: the buffers it writes) are passed them."""
+    refs = tensor_refs(kernel.args) + tensor_refs(list(kernel.kwargs.values()))
+    args = {r.buffer for r in refs}
+    views = [TensorRef.from_json(o) for o in kernel.outputs if o is not None and o[0] in args]
+    return views + [r for r in refs if r.buffer in written and r not in views]
 
 
-def _time_kernel(ex: Executor, kernel: Kernel, target: ProfileTarget, warmup: int, repeats: int) -> list[float]:
-    """Seconds of ``repeats`` calls of one kernel on the executor's current tensors."""
+def _time_kernel(ex: Executor, kernel: Kernel, target: ProfileTarget, warmup: int, repeats: int,
+                 written: set[str]) -> list[float]:
+    """Seconds of ``repeats`` calls of one kernel (writing the buffers ``written``) on the executor's tensors."""
     func, args, kwargs = ex.bind_kernel(kernel.index)
-    saved = [(v, v.clone()) for v in (ex.view(r) for r in _written_views(kernel))]
+    saved = [(v, v.clone()) for v in (ex.view(r) for r in _written_views(kernel, written))]
     for _ in range(warmup):
         func(*args, **kwargs)
     if target.torch_device == "cpu":
@@ -158,8 +162,9 @@ def _time_kernel(ex: Executor, kernel: Kernel, target: ProfileTarget, warmup: in
     return times
 
 
-def _timing(ex: Executor, k: Kernel, target: ProfileTarget, warmup: int, repeats: int) -> KernelTiming:
-    times = _time_kernel(ex, k, target, warmup, repeats)
+def _timing(ex: Executor, k: Kernel, target: ProfileTarget, warmup: int, repeats: int,
+            written: set[str]) -> KernelTiming:
+    times = _time_kernel(ex, k, target, warmup, repeats, written)
     return KernelTiming(index=k.index, id=k.id, signature=kernel_signature(k), op=k.op, op_class=k.op_class,
                         median_s=statistics.median(times), min_s=min(times), repeats=repeats)
 
@@ -189,9 +194,13 @@ def profile_graph(graph: KernelGraph, weights: Mapping[str, torch.Tensor], input
         ex.prepare(inputs, state)
         for k in graph.kernels:  # the whole step, no frees: every activation keeps its value
             ex.run_kernel(k.index)
+        writes: dict[int, set[str]] = {}
+        for a in graph.accesses:
+            if a.mode == "write":
+                writes.setdefault(a.kernel, set()).add(a.buffer)
         with _denormals_flushed(target):
             for k in graph.kernels:
-                timings.append(_timing(ex, k, target, warmup, repeats))
+                timings.append(_timing(ex, k, target, warmup, repeats, writes.get(k.index, set())))
                 if progress:
                     progress(k.index + 1, total)
     return Profile(device=target.id, device_name=target.name, threads=target.threads, model=graph.model,
