@@ -129,7 +129,6 @@ def _case(name: str):
         "moe_mxfp4_gemm_gather": (ops.moe_mxfp4_gemm, (x, blocks, scales, offsets, perm, bias, K)),
         "moe_mxfp4_gemm_sorted": (ops.moe_mxfp4_gemm, (x.repeat(2, 1), blocks, scales, offsets, None, bias, K)),
         "swigluoai_and_mul": (ops.swigluoai_and_mul, (wide, 1.702, 7.0)),
-        "moe_silu_and_mul": (ops.moe_silu_and_mul, (wide,)),
         "moe_sum": (ops.moe_sum, (rows, perm, weights)),
     }
     return cases[name]
@@ -137,7 +136,7 @@ def _case(name: str):
 
 CASES = ["topk_gating_gptoss", "topk_gating_qwen3", "topk_gating_qwen3_unnormalised", "moe_align",
          "moe_gemm_gather_transposed_bias", "moe_gemm_gather_linear", "moe_gemm_sorted_rows",
-         "moe_mxfp4_gemm_gather", "moe_mxfp4_gemm_sorted", "swigluoai_and_mul", "moe_silu_and_mul", "moe_sum"]
+         "moe_mxfp4_gemm_gather", "moe_mxfp4_gemm_sorted", "swigluoai_and_mul", "moe_sum"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -192,7 +191,7 @@ def test_moe_sum_weights_unpermutes_and_sums():
 def test_cost_facts():
     for name, cls in (("topk_gating", "reduction"), ("moe_align", "scan"), ("moe_gemm", "grouped_gemm"),
                       ("moe_mxfp4_gemm", "grouped_gemm"), ("swigluoai_and_mul", "elementwise"),
-                      ("moe_silu_and_mul", "elementwise"), ("moe_sum", "reduction")):
+                      ("moe_sum", "reduction")):
         assert FUSED[name].op_class == cls
     # shapes are the tensor arguments in order; the weight (its E leading) is the second
     gemm = FUSED["moe_gemm"].gemm

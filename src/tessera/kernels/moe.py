@@ -5,7 +5,7 @@ of each token and their weights), `tessera::moe_align` (the token-expert assignm
 expert: a permutation and per-expert offsets, static shapes), a first grouped expert GEMM
 (`tessera::moe_gemm` on bf16 weights, `tessera::moe_mxfp4_gemm` on MXFP4 weights) that gathers its
 rows through the permutation, the activation (`tessera::swigluoai_and_mul` for gpt-oss,
-`tessera::moe_silu_and_mul` for Qwen3-MoE), the second grouped GEMM (no gather: its rows are already
+`tessera::silu_and_mul` for Qwen3-MoE), the second grouped GEMM (no gather: its rows are already
 sorted) and `tessera::moe_sum` (weights each row by its top-k weight, un-permutes and sums the k rows
 of every token).
 
@@ -158,18 +158,6 @@ def _(x, alpha, limit):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
-@torch.library.custom_op("tessera::moe_silu_and_mul", mutates_args=())
-def moe_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SiLU-and-mul of the experts' concatenated [gate | up] halves. x [M, 2I] -> [M, I]."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-@moe_silu_and_mul.register_fake
-def _(x):
-    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
-
-
 @torch.library.custom_op("tessera::moe_sum", mutates_args=())
 def moe_sum(x: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weight the expert rows by their top-k weights, un-permute and sum each token's k rows.
@@ -229,5 +217,4 @@ register_fused("moe_align", "scan")
 register_fused("moe_gemm", "grouped_gemm", flops=_gemm_flops(_moe_gemm_dims), gemm=_moe_gemm_dims)
 register_fused("moe_mxfp4_gemm", "grouped_gemm", flops=_gemm_flops(_mxfp4_gemm_dims), gemm=_mxfp4_gemm_dims)
 register_fused("swigluoai_and_mul", "elementwise", flops=lambda args, kwargs, out: 6 * out.numel())
-register_fused("moe_silu_and_mul", "elementwise", flops=lambda args, kwargs, out: 5 * out.numel())
 register_fused("moe_sum", "reduction", flops=lambda args, kwargs, out: 2 * args[0].numel())

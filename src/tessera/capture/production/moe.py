@@ -137,15 +137,6 @@ def router_forward(router: nn.Module, hidden_states: torch.Tensor):
     return logits, weights, ids
 
 
-def _silu_and_mul():
-    """`tessera::silu_and_mul` (kernels/activation.py) where it is registered, else this module's own
-    `tessera::moe_silu_and_mul` (same body: silu of the first half times the second)."""
-    try:
-        return torch.ops.tessera.silu_and_mul
-    except AttributeError:
-        return torch.ops.tessera.moe_silu_and_mul
-
-
 def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """`tessera::moe_align`, the two grouped GEMMs around the activation, `tessera::moe_sum`. -> [T,H]."""
@@ -164,7 +155,7 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
         h = ops.moe_gemm(h, experts.down_proj, offsets, None, experts.down_proj_bias, top_k, True)
     else:  # Qwen3MoeExperts: [E,2I,H] concatenated gate | up, no biases
         h = ops.moe_gemm(hidden_states, experts.gate_up_proj, offsets, perm, None, top_k, False)
-        h = _silu_and_mul()(h)
+        h = torch.ops.tessera.silu_and_mul(h)
         h = ops.moe_gemm(h, experts.down_proj, offsets, None, None, top_k, False)
     return ops.moe_sum(h, perm, top_k_weights)
 
