@@ -2,7 +2,8 @@
 # Run every GPU check (benchmarks/gpu_*.py) in sequence, printing everything, within about 8 minutes in all.
 #   bash benchmarks/gpu_all.sh            (from the repository root; PYTHON overrides the interpreter)
 # Each check gets its own time limit (BUDGET_S seconds in all, split by the share below); one that runs
-# over is stopped and reported, and the next one still runs. Without CUDA each check says so and exits 0.
+# over is stopped and reported, and the next one still runs. Without CUDA each check says so: gpu_costmodel.py
+# prints its CPU-side predictions and exits 0, the two others exit 2 (so this script does too).
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
