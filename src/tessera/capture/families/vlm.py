@@ -187,9 +187,12 @@ def _vision_attention(attn: nn.Module, hidden_states: torch.Tensor, cu_seqlens=N
     return attn.proj(out.view(n, -1))
 
 
-def _vision_forward(visual: nn.Module, pixel_values: torch.Tensor, consts: dict[str, torch.Tensor],
-                    window_lengths: list[int], image_lengths: list[int]) -> torch.Tensor:
-    """The vision tower on host-known grids: [patches, C*T*P*P] pixels -> [tokens, text hidden]."""
+def vision_tower(visual: nn.Module, pixel_values: torch.Tensor, consts: dict[str, torch.Tensor],
+                 window_lengths: list[int], image_lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vision tower's modules on host-known grids: patch embed, window order, blocks (each attending
+    within its windows, or within each image in the full-attention blocks), merger, original order.
+    [patches, C*T*P*P] pixels -> (hidden states before the merger [patches, vision hidden], merged tokens
+    [tokens, text hidden]). The eager and the production towers differ only in their modules' forwards."""
     hidden = visual.patch_embed(pixel_values)
     n, dim = hidden.shape
     unit = visual.spatial_merge_unit
@@ -198,7 +201,13 @@ def _vision_forward(visual: nn.Module, pixel_values: torch.Tensor, consts: dict[
     for i, block in enumerate(visual.blocks):
         segments = image_lengths if i in visual.fullatt_block_indexes else window_lengths
         hidden = block(hidden, cu_seqlens=None, position_embeddings=(cos, sin), segments=segments)
-    return visual.merger(hidden).index_select(0, consts["vision.reverse_index"])
+    return hidden, visual.merger(hidden).index_select(0, consts["vision.reverse_index"])
+
+
+def _vision_forward(visual: nn.Module, pixel_values: torch.Tensor, consts: dict[str, torch.Tensor],
+                    window_lengths: list[int], image_lengths: list[int]) -> torch.Tensor:
+    """The vision tower on host-known grids: [patches, C*T*P*P] pixels -> [tokens, text hidden]."""
+    return vision_tower(visual, pixel_values, consts, window_lengths, image_lengths)[1]
 
 
 @contextmanager

@@ -105,15 +105,9 @@ def vision_forward(visual: nn.Module, pixel_values: torch.Tensor, consts: dict[s
     hf_call = consts is None
     if hf_call:
         consts, window_lengths, image_lengths = _host_tables(visual, grid_thw, pixel_values.device)
-    hidden = visual.patch_embed(pixel_values)
-    n, dim = hidden.shape
-    unit = visual.spatial_merge_unit
-    hidden = hidden.view(n // unit, unit, dim).index_select(0, consts["vision.window_index"]).view(n, dim)
-    cos, sin = visual.rotary_pos_emb(hidden, consts["vision.position_ids"])
-    for i, block in enumerate(visual.blocks):
-        segments = image_lengths if i in visual.fullatt_block_indexes else window_lengths
-        hidden = block(hidden, position_embeddings=(cos, sin), segments=segments)
-    merged = visual.merger(hidden).index_select(0, consts["vision.reverse_index"])
+    from tessera.capture.families.vlm import vision_tower
+
+    hidden, merged = vision_tower(visual, pixel_values, consts, window_lengths, image_lengths)
     if not hf_call:
         return merged
     from transformers.modeling_outputs import BaseModelOutputWithPooling
