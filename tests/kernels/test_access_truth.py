@@ -46,6 +46,8 @@ def test_every_fused_op_has_an_access_truth_test():
     runs assert_accesses_true)."""
     from pathlib import Path
 
+    import tessera.triton_kernels  # noqa: F401  (its ops too, whatever other tests have imported)
+
     ops = sorted({n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
                   if n.startswith("tessera::")})
     assert len(ops) > 20
