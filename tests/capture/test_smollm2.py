@@ -94,7 +94,7 @@ class _Recording:
 
     def __call__(self, phase, inputs):
         out = self.runner(phase, inputs)
-        self.logits.append(out.clone())
+        self.logits.append(out["logits"].clone())
         return out
 
 

@@ -49,7 +49,7 @@ def smollm2_reference():
     def step(phase, inputs):
         outs = []
         for r in range(inputs["input_ids"].shape[0]):
-            outs.append(runners[r](phase, {k: v[r: r + 1] for k, v in inputs.items()}))
+            outs.append(runners[r](phase, {k: v[r: r + 1] for k, v in inputs.items()})["logits"])
         return torch.cat(outs)
 
     before = torch.get_num_threads()

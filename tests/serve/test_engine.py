@@ -56,16 +56,16 @@ def test_monitor_switches_on_the_latency_ratio_with_a_cool_down():
 
 
 class _Recorder:
-    """A backend that records every step's phase, inputs and logits."""
+    """A backend that records every step's phase, inputs and outputs (tokens and logits)."""
 
     def __init__(self, backend):
         self.backend = backend
-        self.steps: list[tuple[str, dict[str, torch.Tensor], torch.Tensor]] = []
+        self.steps: list[tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
 
     def run(self, phase, inputs):
-        logits = self.backend.run(phase, inputs)
-        self.steps.append((phase, {k: v.clone() for k, v in inputs.items()}, logits.clone()))
-        return logits
+        outputs = self.backend.run(phase, inputs)
+        self.steps.append((phase, {k: v.clone() for k, v in inputs.items()}, {k: v.clone() for k, v in outputs.items()}))
+        return outputs
 
     def busy_s(self):
         return self.backend.busy_s()
@@ -144,5 +144,7 @@ def test_plan_switches_under_a_load_step_and_outputs_stay_exact():
 
     reference = LocalBackend(graphs, weight_files("smollm2-135m"))
     torch.set_num_threads(1)
-    for phase, inputs, logits in recorder.steps:  # the same steps in the same order, in one process
-        assert torch.equal(reference.run(phase, inputs), logits), phase
+    for phase, inputs, outputs in recorder.steps:  # the same steps in the same order, in one process
+        expected = reference.run(phase, inputs)
+        assert torch.equal(expected["logits"], outputs["logits"]), phase
+        assert torch.equal(expected["tokens"], outputs["tokens"]), phase

@@ -10,7 +10,8 @@ from tessera.capture.phases import StepShape, step_for
 
 
 class EagerRunner:
-    """A step runner (phase, inputs) -> logits over one engine state, running the model eagerly."""
+    """A step runner (phase, inputs) -> outputs (``logits``, ``tokens``) over one engine state, running the model
+    eagerly."""
 
     def __init__(self, spec: ModelSpec, model: nn.Module, constant_values: dict, slots: int, ctx: int):
         self.spec, self.model, self.values = spec, model, constant_values
@@ -18,10 +19,10 @@ class EagerRunner:
         self.state: dict[str, torch.Tensor] | None = None
         self.slots = slots
 
-    def __call__(self, phase: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def __call__(self, phase: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         batch, seq = inputs["input_ids"].shape
         shape = StepShape(batch=self.slots, seq=seq, ctx=self.ctx)
         step = step_for(self.spec, self.model, self.values, phase, shape, device="cpu", inputs=inputs,
                         state=self.state)
         self.state = step.state
-        return step.run()["logits"]
+        return step.run()

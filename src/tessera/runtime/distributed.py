@@ -20,6 +20,7 @@ import torch
 
 from tessera.errors import TesseraError
 from tessera.graph.ir import KernelGraph
+from tessera.kernels.sample import with_sampling_defaults
 from tessera.program.program import StepPrograms, build_programs
 from tessera.runtime.commands import Connect, GetState, Job, Load, Move, PhaseLoad, SetState, StateMove, Step
 from tessera.runtime.pool import WorkerFailed, WorkerLost, WorkerPool
@@ -274,7 +275,7 @@ class DistributedRunner:
         step i+1 (None: m stops), queued on the workers at once, so the first stage starts m's next step while
         the later stages finish other micro-batches (no fill and drain per step). At most ``steps`` steps per
         micro-batch; returns each micro-batch's outputs per step. Lost workers are not re-planned here."""
-        self._graph(phase)
+        graph = self._graph(phase)
         count = self.micro_batches[phase]
         instances = list(range(count)) if instances is None else list(instances)
         if len(first) != count or len(instances) != count:
@@ -293,6 +294,7 @@ class DistributedRunner:
         busy = dict.fromkeys(self.members, 0.0)
 
         def submit(m: int, inputs: dict[str, torch.Tensor], i: int) -> None:
+            inputs = with_sampling_defaults(graph.inputs, inputs, inputs[graph.inputs[0]].shape[0])
             for rank, w in workers[m]:
                 names = sp.programs[rank].inputs
                 self.pool.submit(w, Job(phase, m, {n: inputs[n] for n in names}, instances[m], key=(m, i)))
@@ -401,7 +403,10 @@ def _touched_rows(graph: KernelGraph, chunks, rows: int) -> list[list[int]]:
 
 
 def _split_rows(graph: KernelGraph, inputs: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """Inputs of B rows -> chunks of the graph's batch (dim 0 of its first input)."""
+    """Inputs of B rows -> chunks of the graph's batch (dim 0 of its first input); sampler inputs left out are
+    greedy."""
+    if graph.inputs and graph.inputs[0] in inputs:
+        inputs = with_sampling_defaults(graph.inputs, inputs, inputs[graph.inputs[0]].shape[0])
     missing = [n for n in graph.inputs if n not in inputs]
     if missing:
         raise RuntimeInputError(f"{graph.phase}: inputs {missing} are missing (expected {graph.inputs})")

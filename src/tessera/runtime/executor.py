@@ -17,6 +17,7 @@ from tessera.errors import TesseraError
 from tessera.graph.codec import decode, dtype_from_name
 from tessera.graph.ir import KernelGraph, TensorRef
 from tessera.graph.values import unpack_values
+from tessera.kernels.sample import with_sampling_defaults
 from tessera.program.program import Program
 
 
@@ -118,6 +119,8 @@ class Executor:
         self._tensor(slot).copy_(value)
 
     def _bind_inputs(self, kind: str, names: list[str], given: Mapping[str, torch.Tensor]) -> None:
+        if kind == "input" and "temperature" in self.graph.buffers:  # sampler inputs left out: greedy
+            given = with_sampling_defaults(names, dict(given), self.graph.buffers["temperature"].shape[0])
         for name in names:
             if name not in given:
                 raise ExecutionError(f"{kind} {name!r} is missing (expected {sorted(names)})")

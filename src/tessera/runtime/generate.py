@@ -1,8 +1,9 @@
 """Generation over step runners (eager model steps, replayed programs, distributed runners): greedy, or
-temperature / top-p sampling with a seed."""
+temperature / top-p sampling with a seed, done by the step's own sampler kernel (`tessera::sample`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -10,11 +11,12 @@ import torch
 
 from tessera.errors import TesseraError
 from tessera.graph.ir import KernelGraph
+from tessera.kernels.sample import step_seed
 from tessera.program.program import single_device_program
 from tessera.runtime.executor import Executor
 
-# runner(phase, inputs) -> logits [B, S, vocab]; the runner owns the engine state
-StepRunner = Callable[[str, dict[str, torch.Tensor]], torch.Tensor]
+# runner(phase, inputs) -> the step's outputs (``tokens`` [B], ``logits`` [B, S, vocab]); the runner owns the state
+StepRunner = Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
 class SamplingError(TesseraError, ValueError):
@@ -23,33 +25,31 @@ class SamplingError(TesseraError, ValueError):
 
 @dataclass(frozen=True)
 class Sampling:
-    """Greedy (temperature 0) or temperature / top-p sampling with a seed."""
+    """Greedy (temperature 0) or temperature / top-p sampling with a seed; any accepted value samples safely
+    (the sampler kernel treats a temperature too small to divide by as greedy and keeps at least one token)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise SamplingError(f"--temperature must be >= 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise SamplingError(f"--temperature must be a finite number >= 0 (got {self.temperature})")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise SamplingError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if not -(2**63) <= self.seed < 2**64:
+            raise SamplingError(f"--seed must fit in 64 bits (got {self.seed})")
 
-    def picker(self) -> Callable[[torch.Tensor], int]:
-        """A function from one row of logits to the next token."""
-        if self.temperature == 0:
-            return lambda logits: int(logits.argmax())
-        gen = torch.Generator().manual_seed(self.seed)
+    def inputs(self, index: int) -> dict[str, float | int]:
+        """The sampler's per-row values for the ``index``-th generated token (its seed mixed with the index)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "seeds": step_seed(self.seed, index)}
 
-        def pick(logits: torch.Tensor) -> int:
-            probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-            if self.top_p < 1:
-                sorted_p, order = probs.sort(descending=True)
-                keep = sorted_p.cumsum(0) - sorted_p < self.top_p
-                probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-            return int(torch.multinomial(probs, 1, generator=gen))
 
-        return pick
+def sampling_inputs(rows: list[dict[str, float | int]]) -> dict[str, torch.Tensor]:
+    """Per-row sampler values (`Sampling.inputs`) -> the step's ``temperature``, ``top_p`` and ``seeds`` tensors."""
+    return {"temperature": torch.tensor([r["temperature"] for r in rows], dtype=torch.float32),
+            "top_p": torch.tensor([r["top_p"] for r in rows], dtype=torch.float32),
+            "seeds": torch.tensor([r["seeds"] for r in rows], dtype=torch.int64)}
 
 
 def generate(runner: StepRunner, prompt_ids: list[int],
@@ -58,23 +58,22 @@ def generate(runner: StepRunner, prompt_ids: list[int],
     """Prefill the prompt into slot 0, then decode token by token; returns the new token ids."""
     if not prompt_ids:
         raise SamplingError("the prompt is empty: nothing to prefill")
-    pick = sampling.picker()
     slots = torch.tensor([0])
-    logits = runner("prefill", {"input_ids": torch.tensor([prompt_ids]), "slots": slots})
+    outputs = runner("prefill", {"input_ids": torch.tensor([prompt_ids]), "slots": slots,
+                                 **sampling_inputs([sampling.inputs(0)])})
     out: list[int] = []
     position = len(prompt_ids)
     for i in range(max_new_tokens):
-        token = pick(logits[0, -1])
+        token = int(outputs["tokens"][0])
         out.append(token)
         if on_token is not None:
             on_token(token)
         if token == eos_token_id or i == max_new_tokens - 1:
             break
-        logits = runner("decode", {"input_ids": torch.tensor([[token]]), "positions": torch.tensor([position]),
-                                   "slots": slots})
+        outputs = runner("decode", {"input_ids": torch.tensor([[token]]), "positions": torch.tensor([position]),
+                                    "slots": slots, **sampling_inputs([sampling.inputs(i + 1)])})
         position += 1
     return out
-
 
 
 class ReplayRunner:
@@ -86,5 +85,5 @@ class ReplayRunner:
         self.executors = {phase: Executor(g, single_device_program(g, device), weights, device)
                           for phase, g in graphs.items()}
 
-    def __call__(self, phase: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.executors[phase].run(inputs, self.state)["logits"]
+    def __call__(self, phase: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.executors[phase].run(inputs, self.state)

@@ -175,9 +175,10 @@ def plan_file_placement(path: Path, graphs: dict[str, KernelGraph], workers: int
     return RunPlacement(placements, mbs, f"{plan.policy} plan from {path}", replan, plan)
 
 
-def distributed_runner_fn(runner: DistributedRunner) -> Callable[[str, dict[str, torch.Tensor]], torch.Tensor]:
-    """The (phase, inputs) -> logits function of a DistributedRunner."""
-    return lambda phase, inputs: runner.step(phase, inputs)["logits"]
+def distributed_runner_fn(runner: DistributedRunner
+                          ) -> Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """The (phase, inputs) -> outputs function of a DistributedRunner."""
+    return runner.step
 
 
 def describe_transfers(runner: DistributedRunner) -> str:

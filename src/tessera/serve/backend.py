@@ -91,9 +91,10 @@ def objective_placements(graphs: dict[str, KernelGraph], assignments: dict[str, 
 
 
 class StepBackend(Protocol):
-    """Runs one runtime phase on inputs and returns its logits [rows, 1, vocab]."""
+    """Runs one runtime phase on inputs and returns its outputs: the sampled ``tokens`` [rows] and the
+    ``logits`` [rows, 1, vocab] they were sampled from."""
 
-    def run(self, phase: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor: ...
+    def run(self, phase: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
     def busy_s(self) -> dict[str, float]: ...
 
@@ -119,7 +120,7 @@ class LocalBackend:
         self.runner = ReplayRunner(graphs, weights, state)
         self._busy = 0.0
 
-    def run(self, phase: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def run(self, phase: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
         out = self.runner(phase.split(":")[0], inputs)
         self._busy += time.perf_counter() - t0
@@ -139,8 +140,8 @@ class WorkerBackend:
         self.runner = runner
         self._busy: dict[str, float] = {}
 
-    def run(self, phase: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        out = self.runner.step(phase, inputs)["logits"]
+    def run(self, phase: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = self.runner.step(phase, inputs)
         timing = self.runner.last_timing
         if timing is not None:
             for device, seconds in zip(timing.workers, timing.compute_s, strict=False):

@@ -7,8 +7,8 @@ cancelled ones (freeing their slots) and, when a monitor window is over, lets th
 objective whose step plans the next steps use: the latency plans serve the low-load bucket (at most
 ``latency_rows`` requests in flight, the rest wait), the throughput plans every slot. A prefill step writes a request's prompt but its last
 token into its KV slot (prompt padded to a bucket); decode steps run every ready request as one row
-each, at its own position and slot (rows padded to a bucket with rows of free slots), and pick each
-row's next token with the request's own sampling. Tokens are detokenised incrementally; stop strings
+each, at its own position and slot (rows padded to a bucket with rows of free slots); the step's sampler
+kernel picks each row's next token with the request's own temperature, top-p and per-token seed. Tokens are detokenised incrementally; stop strings
 are held back until they cannot start a stop any more. Events go to each request's callback (called on
 the engine thread): ``("token", text)``, then ``("done", finish_reason)`` or ``("error", message)``.
 """
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from tessera.errors import TesseraError
-from tessera.runtime.generate import Sampling
+from tessera.runtime.generate import Sampling, sampling_inputs
 from tessera.sched.scheduler import Buckets, Request, ScheduledStep, Scheduler, stages_for
 from tessera.serve.backend import ObjectivePlacements, StepBackend, phase_name
 from tessera.serve.detokenize import IncrementalDetokenizer
@@ -61,7 +61,7 @@ class Generation:
     params: GenerationParams
     sink: EventSink
     sched: Request
-    picker: Callable[[torch.Tensor], int]
+    sampling: Sampling
     detok: IncrementalDetokenizer
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # detokenised so far (cut at a stop string)
@@ -178,7 +178,7 @@ class Engine:
             self._count += 1
             rid = f"req-{self._count}"
         req = Request(rid, self.clock(), len(prompt_ids), params.max_tokens)
-        gen = Generation(rid, list(prompt_ids), params, sink, req, sampling.picker(),
+        gen = Generation(rid, list(prompt_ids), params, sink, req, sampling,
                          IncrementalDetokenizer(self.tokenizer))
         self._incoming.put(gen)
         self._wake.set()
@@ -247,26 +247,29 @@ class Engine:
         if step.phase == "prefill":
             gen = gens[0]
             ids = gen.prompt_ids[:-1] + [self.pad] * (step.seq - len(gen.prompt_ids) + 1)
-            return {"input_ids": torch.tensor([ids]), "slots": torch.tensor([gen.sched.slot])}
-        tokens, positions, slots = [], [], []
+            return {"input_ids": torch.tensor([ids]), "slots": torch.tensor([gen.sched.slot]),
+                    **sampling_inputs([Sampling().inputs(0)])}  # prefill's token is not used: greedy
+        tokens, positions, slots, sampling = [], [], [], []
         for gen in gens:
             tokens.append(gen.tokens[-1] if gen.tokens else gen.prompt_ids[-1])
             positions.append(gen.sched.input + gen.sched.generated - 1)
             slots.append(gen.sched.slot)
+            sampling.append(gen.sampling.inputs(len(gen.tokens)))
         decoding = {r.slot for r in self.scheduler.running if r.stage == 1}
         spare = [s for s in range(self.scheduler.slots) if s not in decoding]
         for pad in range(step.rows - len(gens)):  # padding rows write position 0 of slots nobody decodes from
             tokens.append(self.pad)
             positions.append(0)
             slots.append(spare[pad])
+            sampling.append(Sampling().inputs(0))
         return {"input_ids": torch.tensor(tokens)[:, None], "positions": torch.tensor(positions),
-                "slots": torch.tensor(slots)}
+                "slots": torch.tensor(slots), **sampling_inputs(sampling)}
 
     def _run_step(self, step: ScheduledStep) -> None:
         inputs = self._inputs(step)
         phase = self._phase(step)
         t0 = self.clock()
-        logits = self.backend.run(phase, inputs)
+        tokens = self.backend.run(phase, inputs)["tokens"].tolist()
         t1 = self.clock()
         self.stats.steps += 1
         objective = self.monitor.objective
@@ -277,7 +280,7 @@ class Engine:
         if step.phase == "decode":
             for row, req in enumerate(step.requests):
                 gen = self._by_request[id(req)]
-                token = gen.picker(logits[row, -1])
+                token = tokens[row]
                 reason = self._take(gen, token)
                 if reason is not None:
                     stopped.append((gen, reason))

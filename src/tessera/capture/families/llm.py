@@ -10,6 +10,7 @@ from torch import nn
 from tessera.capture.ops import StepContext, register_hf_hooks, step_context
 from tessera.capture.step import Step
 from tessera.errors import PhaseError
+from tessera.kernels.sample import default_sampling_inputs, sample
 
 
 def build_causal_lm(config, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
@@ -69,12 +70,27 @@ def llm_inputs(phase: str, batch: int, seq: int, device: str | torch.device) -> 
             "positions": torch.zeros(batch, dtype=torch.long, device=device), "slots": slots}
 
 
+def with_sampler_inputs(inputs: dict[str, torch.Tensor], batch: int,
+                        device: str | torch.device) -> dict[str, torch.Tensor]:
+    """A generation step's inputs with the sampler's per-row ``temperature``, ``top_p`` and ``seeds`` (greedy
+    placeholders for those the caller leaves out), after the model's own inputs."""
+    defaults = default_sampling_inputs(batch, device)
+    return {k: v for k, v in inputs.items() if k not in defaults} | {k: inputs.get(k, v) for k, v in defaults.items()}
+
+
+def sampled(logits: torch.Tensor, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A generation step's outputs: the last position's ``logits`` [B,1,V] and the sampler's next ``tokens`` [B]
+    (one `tessera::sample` kernel over them)."""
+    return {"logits": logits, "tokens": sample(logits[:, -1], inp["temperature"], inp["top_p"], inp["seeds"])}
+
+
 def llm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, model_name: str, family: str,
              phase: str, batch: int, seq: int, ctx: int, device: str | torch.device = "meta",
              state: dict[str, torch.Tensor] | None = None,
              inputs: dict[str, torch.Tensor] | None = None, slots: int | None = None) -> Step:
     """A prefill step (``input_ids`` [B,S], ``slots``) or decode step (``input_ids`` [B,1],
-    ``positions`` [B], ``slots`` [B]) of ``model``; outputs the last position's logits [B,1,V]. The KV cache
+    ``positions`` [B], ``slots`` [B]) of ``model``, both with the sampler's ``temperature``, ``top_p`` and ``seeds``
+    [B]; outputs the last position's logits [B,1,V] and the sampled next ``tokens`` [B]. The KV cache
     has ``slots`` rows (default B): a step's rows read and write the rows their ``slots`` name."""
     if phase not in ("prefill", "decode"):
         raise PhaseError(f"phase {phase!r} is not a phase of an LLM (use prefill or decode)")
@@ -82,8 +98,7 @@ def llm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mode
     dtype = next(model.parameters()).dtype
     if state is None:
         state = new_kv_cache(config, slots or batch, ctx, dtype, device)
-    if inputs is None:
-        inputs = llm_inputs(phase, batch, seq, device)
+    inputs = with_sampler_inputs(llm_inputs(phase, batch, seq, device) if inputs is None else inputs, batch, device)
 
     def fn(inp, st, _consts):
         sctx = StepContext(phase=phase, slots=inp["slots"], positions=inp.get("positions"), kv=kv_of(st))
@@ -91,7 +106,7 @@ def llm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mode
             position_ids = None if phase == "prefill" else inp["positions"][:, None]
             out = model(input_ids=inp["input_ids"], position_ids=position_ids, use_cache=False,
                         logits_to_keep=1)
-        return {"logits": out.logits}
+        return sampled(out.logits, inp)
 
     return Step(model=model_name, family=family, phase=phase, modules={"": model}, fn=fn, inputs=inputs,
                 state=state, constant_values=dict(constant_values),

@@ -106,9 +106,10 @@ def ssm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mode
              state: dict[str, torch.Tensor] | None = None,
              inputs: dict[str, torch.Tensor] | None = None, slots: int | None = None) -> Step:
     """A Mamba2 prefill step (``input_ids`` [B,S], ``slots``) or decode step (``input_ids`` [B,1],
-    ``positions`` [B], ``slots``); outputs the last position's logits. State size does not depend on
+    ``positions`` [B], ``slots``), both with the sampler's inputs; outputs the last position's logits and the
+    sampled next ``tokens``. State size does not depend on
     the context length; ``ctx`` is kept for the shared bucket grammar."""
-    from tessera.capture.families.llm import llm_inputs, step_meta
+    from tessera.capture.families.llm import llm_inputs, sampled, step_meta, with_sampler_inputs
 
     if phase not in ("prefill", "decode"):
         raise PhaseError(f"phase {phase!r} is not a phase of an SSM (use prefill or decode)")
@@ -116,8 +117,7 @@ def ssm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mode
     dtype = next(model.parameters()).dtype
     if state is None:
         state = new_ssm_state(config, slots or batch, dtype, device, ssm_state_dtype(model, dtype))
-    if inputs is None:
-        inputs = llm_inputs(phase, batch, seq, device)
+    inputs = with_sampler_inputs(llm_inputs(phase, batch, seq, device) if inputs is None else inputs, batch, device)
     # Hugging Face's eager mixers gather the rows' state and leave it to the cache to scatter it back; the
     # production mixers' kernels update the slots in place
     eager = not _is_production(model)
@@ -131,7 +131,7 @@ def ssm_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mode
         finally:
             for h in hooks:
                 h.remove()
-        return {"logits": out.logits}
+        return sampled(out.logits, inp)
 
     return Step(model=model_name, family="ssm", phase=phase, modules={"": model}, fn=fn, inputs=inputs,
                 state=state, constant_values=dict(constant_values),

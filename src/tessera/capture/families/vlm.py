@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tessera.capture.families.llm import kv_of, new_kv_cache, step_meta
+from tessera.capture.families.llm import kv_of, new_kv_cache, sampled, step_meta, with_sampler_inputs
 from tessera.capture.ops import StepContext, register_hf_hooks, step_context
 from tessera.capture.step import Step
 from tessera.errors import PhaseError, ShapeError
@@ -307,6 +307,7 @@ def _text_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mo
     if inputs is None:
         inputs = (prompt_inputs(config, grid, batch, seq, image_start, device, dtype) if phase == "prefill"
                   else decode_inputs(batch, device))
+    inputs = with_sampler_inputs(inputs, batch, device)
     start, end = image_start, image_start + grid.tokens
 
     def prefill(inp, st, _consts):
@@ -315,7 +316,7 @@ def _text_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mo
         with step_context(StepContext(phase="prefill", slots=inp["slots"], positions=None, kv=kv_of(st))):
             out = model(inputs_embeds=embeds, position_ids=inp["position_ids"], use_cache=False,
                         logits_to_keep=1)
-        return {"logits": out.logits}
+        return sampled(out.logits, inp)
 
     def decode(inp, st, _consts):
         position_ids = inp["positions"].view(1, batch, 1).expand(3, batch, 1)
@@ -323,7 +324,7 @@ def _text_step(model: nn.Module, constant_values: dict[str, torch.Tensor], *, mo
         with step_context(sctx):
             out = model(input_ids=inp["input_ids"], position_ids=position_ids, use_cache=False,
                         logits_to_keep=1)
-        return {"logits": out.logits}
+        return sampled(out.logits, inp)
 
     meta = step_meta(batch, seq if phase == "prefill" else 1, ctx, slots) | {
         "image": [grid.width, grid.height], "image_start": image_start, "image_tokens": grid.tokens,
