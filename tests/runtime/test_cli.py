@@ -35,6 +35,15 @@ def test_run_prints_only_the_text_and_matches_single_process():
     assert "placement: alternate placement" in result.stderr and "transfers" in result.stderr
 
 
+def test_hostile_sampling_values_generate_like_greedy():
+    """The probe of issue 20: a nucleus of 1e-300 keeps only the top token, so the text is the greedy one."""
+    result = _tessera("run", "smollm2-135m", "--cluster", "cpu:2", "--prompt", PROMPT, "--max-tokens", "4",
+                      "--placement", "alternate", "--temperature", "1", "--top-p", "1e-300", "--check")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(" Paris")
+    assert "check: the 4 tokens are identical" in result.stderr
+
+
 @pytest.fixture(scope="module")
 def plan_file(tmp_path_factory, prompt_tokens):
     """A layer-pipeline plan for cpu:2 at the run's shapes (prompt, 4 new tokens, cache 64)."""
