@@ -73,10 +73,10 @@ def greedy_tokens(work: Workload, n: int) -> None:
 
     spec, model, values = load_pretrained(MODEL)
     eager = EagerRunner(spec, model, values, slots=BATCH, ctx=CTX)
-    logits = eager("prefill", {"input_ids": work.ids, "slots": torch.arange(BATCH)})
-    work.tokens = [logits.argmax(-1).reshape(BATCH, 1)]
+    first = eager("prefill", {"input_ids": work.ids, "slots": torch.arange(BATCH)})["tokens"]
+    work.tokens = [first.reshape(BATCH, 1)]
     for i in range(n - 1):
-        work.tokens.append(eager("decode", work.decode(i, 1)).argmax(-1).reshape(BATCH, 1))
+        work.tokens.append(eager("decode", work.decode(i, 1))["tokens"].reshape(BATCH, 1))
 
 
 def overhead(work: Workload, threads: int, warmup: int, steps: int, files: list[str]) -> tuple[float, float]:
@@ -101,7 +101,7 @@ def overhead(work: Workload, threads: int, warmup: int, steps: int, files: list[
         runner.step("prefill", work.prefill(1))
         for i in range(warmup + steps):
             t0 = time.perf_counter()
-            e = eager("decode", work.decode(i, 1))
+            e = eager("decode", work.decode(i, 1))["logits"]
             e_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             r = runner.step("decode", work.decode(i, 1))["logits"]
