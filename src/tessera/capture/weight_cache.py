@@ -166,7 +166,11 @@ def verified_folder(target: Path, source: CacheSource, build: Callable[[Path], N
             if manifest_problem(target, source) is None:  # another process rebuilt it meanwhile
                 return target
             target.rename(trash)
-        tmp.rename(target)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process renamed its rebuilt folder into place first
+            if manifest_problem(target, source) is not None:
+                raise
         fsync_path(root)
     finally:
         for leftover in (tmp, trash):
