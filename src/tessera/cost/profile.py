@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from tessera.documents import read_json
 from tessera.errors import TesseraError
 from tessera.graph.codec import dtype_from_name
 from tessera.graph.ir import Kernel
+from tessera.paths import atomic_write
 
 PROFILE_KIND = "tessera-profile"
 PROFILE_VERSION = 1
@@ -125,8 +127,8 @@ class Profile:
         return {"kind": PROFILE_KIND, "version": self.version, **d}
 
     def save(self, path: str | Path) -> None:
-        """Write the versioned JSON profile."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        """Write the versioned JSON profile (atomically: an interrupted write leaves the old file or none)."""
+        atomic_write(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "<dict>") -> Profile:
@@ -154,6 +156,27 @@ class Profile:
         """Read a profile written by :meth:`save`."""
         d = read_json(path, "profile file", ProfileFormatError, hint=_REDO)
         return cls.from_dict(d, source=str(path))
+
+
+def cached_profile(path: Path, measure: Callable[[], Profile], graph_hash: str | None = None,
+                   log: Callable[[str], None] = lambda s: None) -> Profile:
+    """The profile cached at ``path``, else ``measure()``'d and cached there.
+
+    A cached file that cannot be read as a profile (truncated, damaged, another version) or that was measured
+    for another graph than ``graph_hash`` is measured again and replaced, with a line to ``log`` saying why.
+    """
+    if path.is_file():
+        try:
+            prof = Profile.load(path)
+        except ProfileFormatError as e:
+            log(f"cached profile unusable: {e}; measuring again")
+        else:
+            if graph_hash is None or prof.graph_hash == graph_hash:
+                return prof
+            log(f"cached profile {path} is for graph {prof.graph_hash[:16]}, not {graph_hash[:16]}; measuring again")
+    prof = measure()
+    prof.save(path)
+    return prof
 
 
 def _timing_from_dict(row: Any, i: int, source: str) -> KernelTiming:

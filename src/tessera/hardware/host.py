@@ -7,7 +7,6 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from datetime import date
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.hardware.catalog import HOST_ID, DeviceSpec, host_row
-from tessera.paths import default_cache_dir
+from tessera.paths import atomic_write, default_cache_dir
 
 _HOST_CACHE_VERSION = 2  # 2: matmuls in the x @ W.T layout
 _FALLBACK_LLC = 32 * 2**20
@@ -180,19 +179,6 @@ def _read_cached(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
     return data if ok else None
 
 
-def _write_atomic(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def host_spec(threads: int | None = None) -> DeviceSpec:
     """This host's CPU as a device, figures measured with `threads` threads (default: all physical cores).
 
@@ -213,7 +199,7 @@ def host_spec(threads: int | None = None) -> DeviceSpec:
     data = _read_cached(path, key)
     if data is None:
         data = {"key": key, **_measure_host(threads)}
-        _write_atomic(path, data)
+        atomic_write(path, json.dumps(data, indent=2, sort_keys=True))
     row = host_row()
     return DeviceSpec(id=HOST_ID, name=data["name"], vendor=row.vendor, arch=data["arch"],
                       memory_bytes=int(data["memory_bytes"]), memory_bandwidth=float(data["memory_bandwidth"]),

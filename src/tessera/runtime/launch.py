@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.capture.models import resolve_model
-from tessera.capture.pretrained import weights_dir
+from tessera.capture.pretrained import load_tokenizer
 from tessera.cost.profile import Profile
 from tessera.graph.ir import KernelGraph
 from tessera.runtime.config import RunConfig, RunSetupError
@@ -83,14 +83,12 @@ def start_run(config: RunConfig, prompt: str, say: Callable[[str], None], log: C
     """Check ``config``, tokenise ``prompt``, trace and place the run's graphs, start the workers (local
     processes, or attach to torchrun's ranks) and their runner. ``say`` gets progress lines, ``log`` the
     runner's own (lost workers, re-plans)."""
-    from transformers import AutoTokenizer
-
     cluster = config.check()
     workers = len(cluster.devices)
     threads = config.threads or cluster.devices[0].spec.threads or 1
     spec = resolve_model(config.model)
     files = weight_files(config.model)
-    tokenizer = AutoTokenizer.from_pretrained(str(weights_dir(spec)))
+    tokenizer = load_tokenizer(spec)
     ids = tokenizer(prompt).input_ids
     if not ids:
         raise RunSetupError("the prompt is empty after tokenisation")
@@ -124,6 +122,28 @@ def eager_tokens(run: Run) -> list[int]:
                         run.tokenizer.eos_token_id, run.config.sampling())
     finally:
         torch.set_num_threads(before)
+
+
+def check_run(run: Run, new: list[int]) -> str:
+    """Check a finished run's tokens against a single-process eager run; returns what was compared.
+
+    The eager run reads the same weights files as the workers, so first those files are hashed again and
+    compared with the manifest written when they were converted (smollm2-135m): a file damaged after
+    conversion fails the check instead of agreeing with itself.
+
+    Raises:
+        WeightCacheError: a weights file no longer matches its manifest.
+        RunSetupError: the tokens differ.
+    """
+    from tessera.capture.pretrained import verify_weights
+
+    verified = verify_weights(resolve_model(run.config.model))
+    expected = eager_tokens(run)
+    if expected != new:
+        raise RunSetupError(f"the distributed run differs from the single-process run: {new} vs {expected}")
+    weights = verified or "a local model folder has no manifest: its files were not verified independently"
+    return (f"the {len(new)} tokens are identical to a single-process eager run ({run.threads} "
+            f"thread{'s' if run.threads != 1 else ''}) on the same weights files as the workers; {weights}")
 
 
 def torchrun_rank() -> int | None:

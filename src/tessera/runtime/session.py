@@ -90,23 +90,21 @@ def placements_from_plan(plan: DeploymentPlan, graphs: dict[str, KernelGraph], w
 def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
                  log: Callable[[str], None] = lambda s: None):
     """This host's measured kernel times for the run's graphs at ``threads`` threads (cached per graph)."""
-    from tessera.cost.profile import Profile
+    from tessera.cost.profile import cached_profile
     from tessera.paths import default_cache_dir
     from tessera.runtime.profiler import profile_model
 
     merged = None
     for phase, g in graphs.items():
         path = default_cache_dir() / "profiles" / f"{g.model}-{phase}-{g.hash[:16]}-t{threads}.json"
-        if path.is_file():
-            prof = Profile.load(path)
-        else:
+
+        def measure(phase=phase, m=g.meta, path=path):
             log(f"measuring {phase} kernels on this CPU at {threads} thread(s) (cached in {path.parent})")
-            m = g.meta
-            prof, _ = profile_model(model, phase, batch=m.get("batch"), seq=m.get("seq"), ctx=m.get("ctx"),
-                                    device="cpu", threads=threads, warmup=PROFILE_WARMUP, repeats=PROFILE_REPEATS,
-                                    slots=m.get("slots"))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            prof.save(path)
+            return profile_model(model, phase, batch=m.get("batch"), seq=m.get("seq"), ctx=m.get("ctx"),
+                                 device="cpu", threads=threads, warmup=PROFILE_WARMUP, repeats=PROFILE_REPEATS,
+                                 slots=m.get("slots"))[0]
+
+        prof = cached_profile(path, measure, g.hash, log)
         if merged is None:
             merged = prof
         else:

@@ -23,20 +23,18 @@ PLAN_PROMPT = 64  # prompt length the placements are planned for (every prompt b
 
 
 def _tokenizer(model: str):
-    from transformers import AutoTokenizer
-
     from tessera.capture.models import resolve_model
-    from tessera.capture.pretrained import weights_dir
+    from tessera.capture.pretrained import load_tokenizer
+    from tessera.errors import TesseraError
 
     spec = resolve_model(model)
     if spec.family not in ("llm", "moe"):
         raise ServeSetupError(f"tessera serve serves text models with a KV cache (llm, moe); {spec.name} is a "
                               f"{spec.family} model")
     try:
-        return AutoTokenizer.from_pretrained(str(weights_dir(spec)))
-    except Exception as e:  # noqa: BLE001 - which model files are missing is in the message
-        raise ServeSetupError(f"{model}: no tokenizer with real weights here ({e}); serve a model whose weights "
-                              "ship with a package, such as smollm2-135m") from None
+        return load_tokenizer(spec)
+    except TesseraError as e:  # no real weights here, or a tokenizer file named in the message is damaged
+        raise ServeSetupError(f"{model}: {e}") from None
 
 
 def plan_assignments(cfg: ServeConfig, workers: int, threads: int, log: Callable[[str], None]

@@ -1,0 +1,103 @@
+"""Cache files are written atomically (an interrupted write leaves the old file), and a damaged cached profile
+is measured again instead of only reported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tessera.capture.tiny import tiny_config
+from tessera.cost.profile import Profile, cached_profile
+from tessera.paths import atomic_path, atomic_write
+from tessera.runtime.profiler import profile_model
+from tessera.runtime.session import host_profile
+
+
+def _interrupt_after_half(monkeypatch):
+    """Make every Path.write_bytes write half its data, then raise (a process killed mid-write)."""
+    real = Path.write_bytes
+
+    def half(self, data):
+        real(self, data[: len(data) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_bytes", half)
+
+
+def test_interrupted_atomic_write_leaves_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "sub" / "file.json"
+    atomic_write(path, '{"old": true}')
+    assert oct(path.stat().st_mode & 0o777) == "0o644"
+    _interrupt_after_half(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(path, json.dumps({"new": list(range(1000))}))
+    assert json.loads(path.read_text()) == {"old": True}
+    assert [p.name for p in path.parent.iterdir()] == ["file.json"]  # no temporary left behind
+
+
+def test_interrupted_first_write_leaves_no_file(tmp_path):
+    path = tmp_path / "weights.bin"
+    with pytest.raises(RuntimeError), atomic_path(path) as tmp:
+        tmp.write_bytes(b"x" * 100)
+        raise RuntimeError("writer failed")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models") / "tiny-llm"
+    tiny_config("llm").save_pretrained(folder)
+    prof, graph = profile_model(str(folder), "decode", batch=1, ctx=16, threads=1, warmup=0, repeats=1)
+    return folder, prof, graph
+
+
+def test_interrupted_profile_save_leaves_the_old_profile(tiny_profile, tmp_path, monkeypatch):
+    _, prof, _ = tiny_profile
+    path = tmp_path / "p.json"
+    prof.save(path)
+    before = path.read_text()
+    _interrupt_after_half(monkeypatch)
+    prof.device_name = "changed"
+    with pytest.raises(KeyboardInterrupt):
+        prof.save(path)
+    assert path.read_text() == before
+    assert Profile.load(path).kernels == prof.kernels
+
+
+def test_damaged_cached_profile_is_measured_again(tiny_profile, tmp_path, monkeypatch):
+    folder, prof, graph = tiny_profile
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
+    lines: list[str] = []
+    first = host_profile(str(folder), {"decode": graph}, 1, lines.append)  # measures and caches
+    (cached,) = (tmp_path / "profiles").rglob("*.json")
+    assert any("measuring decode kernels" in line for line in lines)
+    assert Profile.load(cached).graph_hash == graph.hash == first.graph_hash
+    text = cached.read_text()
+    cached.write_text(text[: len(text) // 3])  # a truncated write of an older Tessera
+    lines.clear()
+    again = host_profile(str(folder), {"decode": graph}, 1, lines.append)
+    assert "cached profile unusable" in lines[0] and str(cached) in lines[0] and "not a JSON file" in lines[0]
+    assert any("measuring decode kernels" in line for line in lines[1:])
+    assert [k.signature for k in again.kernels] == [k.signature for k in prof.kernels]
+    assert Profile.load(cached).graph_hash == graph.hash  # replaced by the new measurement
+    lines.clear()
+    host_profile(str(folder), {"decode": graph}, 1, lines.append)
+    assert lines == []  # now read from the cache
+
+
+def test_cached_profile_of_another_graph_is_measured_again(tiny_profile, tmp_path):
+    _, prof, graph = tiny_profile
+    path = tmp_path / "p.json"
+    prof.save(path)
+    calls, lines = [], []
+
+    def measure():
+        calls.append(1)
+        return prof
+
+    assert cached_profile(path, measure, graph.hash, lines.append) is not prof  # read, not measured
+    assert calls == [] and lines == []
+    cached_profile(path, measure, "0" * 64, lines.append)
+    assert calls == [1] and "is for graph" in lines[0]
