@@ -26,6 +26,7 @@ from tessera.runtime.coordination import (
     interface_address,
     read_secret_file,
     secret_from_env,
+    torchrun_plane,
 )
 from tessera.runtime.pool import WorkerPool
 from tessera.runtime.wire import encode
@@ -169,3 +170,29 @@ def test_a_bad_interface_is_a_clear_error():
         ListeningPlane("192.0.2.1", SECRET)  # an address of no interface here
     result = CliRunner().invoke(app, ["run", "smollm2-135m", "--prompt", "hi", "--interface", "nope0"])
     assert result.exit_code == 2 and "no such network interface" in result.output
+
+
+def test_a_worker_refuses_a_plane_directory_others_can_enter(tmp_path):
+    plane = LocalPlane.create(tmp_path / "plane")
+    try:
+        assert LocalPlane.join(plane.address).store is not None
+        Path(plane.address).chmod(0o755)
+        with pytest.raises(CoordinationError, match="no one else can enter \\(mode 700\\); it is mode 755"):
+            LocalPlane.join(plane.address)
+        Path(plane.address).chmod(0o700)
+        (Path(plane.address) / "secret").chmod(0o644)
+        with pytest.raises(CoordinationError, match="can be read or written by others"):
+            LocalPlane.join(plane.address)
+    finally:
+        plane.close()
+
+
+def test_torchrun_over_several_hosts_needs_an_interface_and_a_secret(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.delenv("TESSERA_SECRET", raising=False)
+    monkeypatch.delenv("TESSERA_SECRET_FILE", raising=False)
+    with pytest.raises(CoordinationError, match="several hosts: name the network interface .* --interface"):
+        torchrun_plane(1, None)
+    with pytest.raises(CoordinationError, match="needs the run's secret on every host: set TESSERA_SECRET_FILE"):
+        torchrun_plane(1, "lo")
