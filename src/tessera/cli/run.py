@@ -44,6 +44,9 @@ def run(
     backend: str = typer.Option(_RUN.backend, "--backend", help="gloo (CPU tensors; CUDA transfers staged on the host)."),
     temperature: float = typer.Option(_RUN.temperature, "--temperature", help="0 = greedy."),
     top_p: float = typer.Option(_RUN.top_p, "--top-p", help="Nucleus sampling mass."),
+    interface: str = typer.Option(None, "--interface", help="Under torchrun: the network interface (e.g. eth0) the "
+                                  "coordination store and transfers listen on; needed over several hosts, with "
+                                  "TESSERA_SECRET_FILE. Default: loopback."),
     check: bool = typer.Option(False, "--check", help="Also generate in this process, eagerly, at the same shapes "
                                "and threads, and fail unless the tokens are identical (smollm2-135m: its cached "
                                "weights are first re-hashed against the manifest written at conversion)."),
@@ -54,13 +57,16 @@ def run(
 
     rank = torchrun_rank()
     if rank is not None and rank > 0:
-        serve_torchrun_worker(rank, threads)
+        try:
+            serve_torchrun_worker(rank, threads, interface)
+        except TesseraError as e:
+            _fail(e)
         return
     say = lambda text: _err.print(f"[dim]{text}[/]")  # noqa: E731
     run = None
     try:
         config = RunConfig(model, cluster, max_tokens, plan_file, policy, placement, seed, device, threads,
-                           profile_file, on_failure, backend, temperature, top_p)
+                           profile_file, on_failure, backend, temperature, top_p, interface)
         run = start_run(config, prompt, say, log=lambda t: _err.print(t), torchrun_driver=rank == 0)
         say(describe_transfers(run.runner))
         t0 = time.perf_counter()

@@ -43,6 +43,7 @@ class RunConfig:
     backend: str = "gloo"
     temperature: float = 0.0
     top_p: float = 1.0
+    interface: str | None = None  # torchrun: the network interface workers on several hosts meet on
 
     def check(self) -> Cluster:
         """The run's cluster, after every option is checked (`RunSetupError` names the one that cannot work)."""
@@ -55,6 +56,10 @@ class RunConfig:
         if self.threads is not None and self.threads < 1:
             raise RunSetupError(f"--threads must be at least 1 (got {self.threads})")
         self.sampling()
+        if self.interface is not None:
+            from tessera.runtime.coordination import interface_address  # on use: imports torch.distributed
+
+            interface_address(self.interface)
         cluster = parse_cluster(self.cluster)
         if any(d.spec.id != "cpu" for d in cluster.devices):
             raise RunSetupError(f"tessera run starts local cpu workers (--cluster cpu:N); {cluster.describe()} has "

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tessera.capture.models import resolve_model
 from tessera.capture.pretrained import load_tokenizer
 from tessera.cost.profile import Profile
 from tessera.graph.ir import KernelGraph
 from tessera.runtime.config import RunConfig, RunSetupError
+from tessera.runtime.coordination import torchrun_plane
 from tessera.runtime.distributed import DistributedRunner
 from tessera.runtime.generate import generate
 from tessera.runtime.pool import RuntimeSetupError, WorkerPool
@@ -84,6 +84,9 @@ def start_run(config: RunConfig, prompt: str, say: Callable[[str], None], log: C
     processes, or attach to torchrun's ranks) and their runner. ``say`` gets progress lines, ``log`` the
     runner's own (lost workers, re-plans)."""
     cluster = config.check()
+    if config.interface is not None and not torchrun_driver:
+        raise RunSetupError("--interface applies under torchrun (workers on several hosts); local workers meet "
+                            "through a private file store, with no network socket")
     workers = len(cluster.devices)
     threads = config.threads or cluster.devices[0].spec.threads or 1
     spec = resolve_model(config.model)
@@ -98,7 +101,7 @@ def start_run(config: RunConfig, prompt: str, say: Callable[[str], None], log: C
     chosen = _placement(config, graphs, workers, threads, say)
     say(f"placement: {chosen.how}")
     say(f"starting {workers} workers ({threads} thread{'s' if threads != 1 else ''} each)")
-    pool = attach_torchrun(workers, threads) if torchrun_driver else WorkerPool.local(workers, threads,
+    pool = attach_torchrun(workers, threads, config.interface) if torchrun_driver else WorkerPool.local(workers, threads,
                                                                                        backend=config.backend)
     try:
         runner = DistributedRunner(pool, graphs, chosen.placements, chosen.micro_batches, weights_path=files,
@@ -151,20 +154,27 @@ def torchrun_rank() -> int | None:
     return int(os.environ["RANK"]) if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ else None
 
 
-def attach_torchrun(workers: int, threads: int) -> WorkerPool:
-    """Rank 0's pool over torchrun's ranks 1..N (checked against the cluster's worker count)."""
+def attach_torchrun(workers: int, threads: int, interface: str | None = None) -> WorkerPool:
+    """Rank 0's pool over torchrun's ranks 1..N (checked against the cluster's worker count), on the
+    coordination plane of :func:`torchrun_plane` (``interface``: where workers on several hosts meet)."""
     world = int(os.environ["WORLD_SIZE"])
     if world - 1 != workers:
         raise RuntimeSetupError(f"torchrun started {world} processes: rank 0 drives and {world - 1} work, but "
                                 f"--cluster has {workers} workers")
-    store, _, _ = next(dist.rendezvous("env://"))
-    return WorkerPool.attach(store, workers, threads, [f"cpu:{w}" for w in range(workers)])
+    plane, store, _ = torchrun_plane(0, interface)
+    try:
+        return WorkerPool.attach(store, workers, threads, [f"cpu:{w}" for w in range(workers)], plane)
+    except BaseException:
+        if plane is not None:
+            plane.close()
+        raise
 
 
-def serve_torchrun_worker(rank: int, threads: int | None) -> None:
+def serve_torchrun_worker(rank: int, threads: int | None, interface: str | None = None) -> None:
     """Serve as worker ``rank - 1`` of a torchrun job until the driver closes it."""
     from tessera.runtime.worker import WorkerConfig, worker_main
 
-    store, _, world = next(dist.rendezvous("env://"))
+    world = int(os.environ["WORLD_SIZE"])
+    _, store, bind = torchrun_plane(rank, interface)
     n = threads or max(1, (os.cpu_count() or 1) // max(1, world - 1))
-    worker_main(WorkerConfig(rank - 1, os.environ.get("MASTER_ADDR", ""), 0, n), store)
+    worker_main(WorkerConfig(rank - 1, os.environ.get("MASTER_ADDR", ""), 0, n, bind=bind), store)

@@ -9,7 +9,6 @@ import math
 import os
 import time
 from collections import deque
-from datetime import timedelta
 from multiprocessing import connection as mp_connection
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch.multiprocessing as mp
 from tessera.errors import TesseraError
 from tessera.graph.codec import dtype_from_name
 from tessera.runtime.commands import Command, Failure, Ping, Reply, SharedTensor, Stop
+from tessera.runtime.coordination import LOOPBACK, LocalPlane, StoreTampered
 from tessera.runtime.wire import decode, encode
 from tessera.runtime.worker import WorkerConfig, nap, worker_main
 
@@ -69,8 +69,9 @@ class WorkerPool:
     """Worker processes (one per device) and the store that carries commands and heartbeats."""
 
     def __init__(self, store: dist.Store, devices: list[str], processes: list[Any] | None, threads: int,
-                 pipes: list[Any] | None = None):
+                 pipes: list[Any] | None = None, plane: Any = None):
         self.store = store
+        self.plane = plane  # the coordination plane the pool made (closed with it), if any
         self.pipes = pipes  # local workers: commands and replies over pipes; else through the store
         self.devices = list(devices)
         self.processes = processes
@@ -92,27 +93,41 @@ class WorkerPool:
             raise RuntimeSetupError(f"{workers} workers but {len(devices)} devices given")
         check_backend(backend, devices)
         threads = threads or max(1, (os.cpu_count() or 1) // workers)
-        store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+        plane = LocalPlane.create()  # no listening socket: a private FileStore and a secret
         ctx = mp.get_context("spawn")
         procs, pipes = [], []
-        for w in range(workers):
-            cfg = WorkerConfig(w, "127.0.0.1", store.port, threads, devices[w], transfer_timeout_s,
-                               parent_pid=os.getpid(), shared_outputs=True)
-            mine, theirs = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=worker_main, args=(cfg, None, theirs), daemon=True, name=f"tessera-worker-{w}")
-            p.start()
-            theirs.close()
-            procs.append(p)
-            pipes.append(mine)
-        pool = cls(store, [f"{d}:{w}" if d == "cpu" else d for w, d in enumerate(devices)], procs, threads, pipes)
-        pool.call({w: Ping() for w in range(workers)}, START_TIMEOUT_S)
+        try:
+            for w in range(workers):
+                cfg = WorkerConfig(w, LOOPBACK, 0, threads, devices[w], transfer_timeout_s, parent_pid=os.getpid(),
+                                   shared_outputs=True, plane=plane.address)
+                mine, theirs = ctx.Pipe(duplex=True)
+                p = ctx.Process(target=worker_main, args=(cfg, None, theirs), daemon=True,
+                                name=f"tessera-worker-{w}")
+                p.start()
+                theirs.close()
+                procs.append(p)
+                pipes.append(mine)
+        except BaseException:
+            for p in procs:
+                p.kill()
+            plane.close()
+            raise
+        pool = cls(plane.store, [f"{d}:{w}" if d == "cpu" else d for w, d in enumerate(devices)], procs, threads,
+                   pipes, plane)
+        try:
+            pool.call({w: Ping() for w in range(workers)}, START_TIMEOUT_S)
+        except BaseException:
+            pool.close()
+            raise
         return pool
 
     @classmethod
-    def attach(cls, store: dist.Store, workers: int, threads: int, devices: list[str] | None = None) -> WorkerPool:
-        """Workers started elsewhere (torchrun ranks 1..N) that share ``store``."""
+    def attach(cls, store: dist.Store, workers: int, threads: int, devices: list[str] | None = None,
+               plane: Any = None) -> WorkerPool:
+        """Workers started elsewhere (torchrun ranks 1..N) that share ``store`` (of ``plane``, closed with the
+        pool)."""
         devices = devices or [f"rank{w + 1}" for w in range(workers)]
-        pool = cls(store, devices, None, threads)
+        pool = cls(store, devices, None, threads, plane=plane)
         pool.call({w: Ping() for w in range(workers)}, START_TIMEOUT_S)
         return pool
 
@@ -129,6 +144,8 @@ class WorkerPool:
             return
         try:
             beat = float(self.store.get(f"hb/{w}"))
+        except StoreTampered:
+            raise
         except Exception:  # noqa: BLE001 - no heartbeat yet
             return
         if time.time() - beat > LOST_AFTER_S:
@@ -292,6 +309,9 @@ class WorkerPool:
         for shm in self._arenas.values():
             shm.close()
         self._arenas = {}
+        if self.plane is not None:
+            self.plane.close()
+            self.plane = None
 
     def __enter__(self) -> WorkerPool:
         return self

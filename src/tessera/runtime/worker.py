@@ -57,6 +57,7 @@ from tessera.runtime.commands import (
     TimeProgram,
     UnknownCommand,
 )
+from tessera.runtime.coordination import LOOPBACK, LocalPlane, gloo_device
 from tessera.runtime.probe import message_burst, ping_pong, time_program, zero_state
 from tessera.runtime.wire import decode, encode, pack, unpack
 
@@ -71,7 +72,8 @@ def nap(waited_s: float) -> float:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """How a worker finds the driver and runs: its id, the store address, threads and torch device."""
+    """How a worker finds the driver and runs: its id, the coordination plane, threads and torch device
+    (``host`` and ``port`` only describe where the driver is)."""
 
     worker: int
     host: str
@@ -82,6 +84,8 @@ class WorkerConfig:
     idle_timeout_s: float = 3600.0  # no command for this long: the driver is gone, exit
     parent_pid: int | None = None  # local workers exit when their driver process is gone
     shared_outputs: bool = False  # step outputs through a shared-memory arena (driver on the same host)
+    plane: str | None = None  # the driver's LocalPlane directory (when no store is handed to worker_main)
+    bind: str = LOOPBACK  # the address this worker's gloo pairs listen on
 
 
 class OutputArena:
@@ -162,7 +166,10 @@ class Worker:
             return Connected(-1)
         self.rank = cmd.members.index(self.cfg.worker)
         prefix = dist.PrefixStore(f"pg/{cmd.epoch}", self.store)
-        self.pg = dist.ProcessGroupGloo(prefix, self.rank, len(cmd.members), self.timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = self.timeout
+        options._devices = [gloo_device(self.cfg.bind)]  # else gloo listens wherever the host name resolves
+        self.pg = dist.ProcessGroupGloo(prefix, self.rank, len(cmd.members), options)
         return Connected(self.rank)
 
     def load(self, cmd: Load) -> Loaded:
@@ -426,13 +433,16 @@ def _failure(e: Exception) -> Failure:
 
 def worker_main(cfg: WorkerConfig, store: dist.Store | None = None, conn=None) -> None:
     """The worker loop: wait for a command, run it, send the reply; until :class:`Stop` or the driver is gone.
-    ``store``: the driver's store (torchrun's rendezvous), else a client of ``cfg.host:cfg.port``; ``conn``:
-    a pipe to a local driver for commands and replies (else they go through the store)."""
+    ``store``: the coordination store (torchrun's ranks), else the driver's plane ``cfg.plane``; ``conn``:
+    a pipe to a local driver for commands and replies (else they go through the store, with heartbeats)."""
     torch.set_num_threads(cfg.threads)
     if store is None:
-        store = dist.TCPStore(cfg.host, cfg.port, None, False, timeout=timedelta(seconds=60))
+        if cfg.plane is None:
+            raise ValueError(f"worker {cfg.worker}: no coordination store and no plane to join")
+        store = LocalPlane.join(cfg.plane).store
     stop = threading.Event()
-    threading.Thread(target=_heartbeat, args=(cfg, store.clone(), stop), daemon=True).start()
+    if conn is None:  # a local driver watches the process itself
+        threading.Thread(target=_heartbeat, args=(cfg, store.clone(), stop), daemon=True).start()
     worker = Worker(cfg, store)
     commands = _PipeCommands(conn) if conn is not None else _StoreCommands(store, cfg.worker)
     idle_since = time.monotonic()
