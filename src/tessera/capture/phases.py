@@ -20,6 +20,7 @@ from tessera.capture.shapes import (
 )
 from tessera.capture.step import Step
 from tessera.errors import PhaseError, ShapeError
+from tessera.limits import BATCH_ROWS, TOKENS
 
 MAX_HOST_BUILD_BYTES = 4 * 2**30  # random-init builds on a real device beyond this are refused
 
@@ -47,6 +48,10 @@ def resolve_shape(spec: ModelSpec, config, phase: str, batch: int | None = None,
         raise ShapeError(f"--batch must be at least 1 (got {batch})")
     if seq < 1:
         raise ShapeError(f"--seq must be at least 1 (got {seq})")
+    BATCH_ROWS.check(batch, "--batch")
+    TOKENS.check(seq, "--seq")
+    if slots is not None:
+        BATCH_ROWS.check(slots, "the cache's slots")
     if slots is not None and slots < batch:
         raise ShapeError(f"the cache needs at least one slot per row: {slots} slots for a batch of {batch}")
     if spec.family == "diffusion":
@@ -56,6 +61,7 @@ def resolve_shape(spec: ModelSpec, config, phase: str, batch: int | None = None,
     ctx = (max(DEFAULT_CTX, seq) if max_pos is None else min(max(DEFAULT_CTX, seq), max_pos)) if ctx is None else ctx
     if ctx < 1:
         raise ShapeError(f"--ctx must be at least 1 (got {ctx})")
+    TOKENS.check(ctx, "--ctx")
     if phase == "prefill" and seq > ctx:
         raise ShapeError(f"prompt length --seq {seq} exceeds the cache capacity --ctx {ctx}; raise --ctx to at "
                          f"least {seq}")
