@@ -32,7 +32,7 @@ class Limit:
     def check(self, value: int, where: str) -> int:
         """``value`` if it is at most ``maximum``; else a `LimitError` naming ``where`` it was given."""
         if value > self.maximum:
-            raise LimitError(f"{where}: {value:,} {self.what} is beyond Tessera's limit of {self.maximum:,} "
+            raise LimitError(f"{where}: {value:,} is beyond Tessera's limit of {self.maximum:,} {self.what} "
                              f"({self.why}); {self.hint}")
         return value
 
@@ -46,8 +46,8 @@ class Limit:
             return None
         if len(text) > 18:
             shown = text if len(text) <= 24 else text[:20] + "..."
-            raise LimitError(f"{where}: {shown} ({len(text)} digits) {self.what} is beyond Tessera's limit of "
-                             f"{self.maximum:,} ({self.why}); {self.hint}")
+            raise LimitError(f"{where}: {shown} ({len(text)} digits) is beyond Tessera's limit of "
+                             f"{self.maximum:,} {self.what} ({self.why}); {self.hint}")
         return self.check(int(text), where)
 
 
@@ -73,7 +73,7 @@ TOKENS = Limit("tokens", 2**24, "beyond the longest published context window (ab
 
 # Widths of a layer (hidden, intermediate, head, channel sizes): the widest published models use about
 # 18k hidden and 74k intermediate sizes; 2^18 = 262,144 leaves room above them.
-LAYER_WIDTH = Limit("as a layer width", 2**18, "wider than any published model's layers (about 74k at most)",
+LAYER_WIDTH = Limit("for a layer's width", 2**18, "wider than any published model's layers (about 74k at most)",
                     "check the config field")
 
 # Layers of one stack: published models have at most a few hundred (Llama-3.1-405B: 126).
@@ -102,7 +102,7 @@ DENOISING_STEPS = Limit("denoising steps", 10_000, "beyond any diffusion sampler
 
 # Pixels along one side of an image (VLM input, diffusion resolution): 16,384 is above the largest outputs
 # and inputs of published image models.
-IMAGE_SIDE = Limit("pixels on one side of an image", 16_384, "larger than any published image model's input "
+IMAGE_SIDE = Limit("pixels on a side of an image", 16_384, "larger than any published image model's input "
                    "or output", "use a smaller image")
 
 # Warm-up and timed calls of each kernel when profiling: the median settles after tens of calls.

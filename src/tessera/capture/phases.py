@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.capture.budget import TraceBudgetError, check_trace_budget, estimate_trace
 from tessera.capture.build import instantiate
 from tessera.capture.models import ModelSpec, load_config, resolve_model
 from tessera.capture.production import FusionReport, apply_production, check_graph, fusion_of
@@ -166,7 +167,16 @@ def make_step(model: str, phase: str, *, batch: int | None = None, seq: int | No
     if device != "meta" and spec.params and spec.params * 2 > MAX_HOST_BUILD_BYTES:
         raise ShapeError(f"{spec.name} has {spec.params:,} parameters ({spec.params * 2 / 2**30:.1f} GiB in "
                          f"bf16): too large to build with random weights on {device}; trace it on meta")
-    modules, values = build_modules(spec, device, config=None if spec.family == "diffusion" else config,
-                                    graph=graph)
+    configs = ({c: load_config(spec, c) for c in spec.components if c != "scheduler"}
+               if spec.family == "diffusion" else config)
+    check_trace_budget(spec.name, estimate_trace(spec.family, configs, phase, shape, graph), device)
+    try:
+        modules, values = build_modules(spec, device, config=None if spec.family == "diffusion" else config,
+                                        graph=graph)
+    except (MemoryError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "allocate" not in str(e):
+            raise
+        raise TraceBudgetError(f"{spec.name}: building it on {device} ran out of host memory ({e}); trace it "
+                               "on meta, or check the config's widths") from None
     return step_for(spec, modules, values, phase, shape, device)
 

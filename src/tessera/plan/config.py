@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from tessera.cost.options import CostOptions
 from tessera.errors import TesseraError
+from tessera.limits import BATCH_ROWS, TOKENS
 from tessera.plan.problem import OBJECTIVES
 from tessera.workload import default_workload
-from tessera.limits import BATCH_ROWS, TOKENS
 
 POLICIES = ("homogeneous", "request-dist", "prefill-decode", "attention-ffn", "layer-pipeline", "tessera")
 PRICE_SCENARIOS = ("relative", "cloud_usd")

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.errors import TesseraError
-from tessera.plan.config import LATENCY_BUCKET, check_policy
 from tessera.limits import BATCH_ROWS, THREADS, TOKENS
+from tessera.plan.config import LATENCY_BUCKET, check_policy
 
 
 class ServeOptionError(TesseraError):

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tessera.limits import TOKENS
 from tessera.plan.config import PlanConfig, PlanConfigError
 from tessera.sched.scheduler import DEFAULT_MAX_CONTEXT
-from tessera.limits import TOKENS
 
 if TYPE_CHECKING:
     from tessera.plan.context import PlanContext
