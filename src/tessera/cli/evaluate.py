@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from tessera.cli.outputs import check_output_folder, make_folder
 from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
@@ -46,6 +47,7 @@ def evaluate(
 
     t0 = time.perf_counter()
     try:
+        check_output_folder(output, "--output")  # before the suite's minutes of work
         sections = check_sections(only)
         overrides = {}
         if models:
@@ -69,6 +71,7 @@ def evaluate(
         result = run_suite(config, sections, progress=lambda s: _err.print(s, highlight=False, markup=False),
                            detail=(lambda s: _err.print(f"  {s}", style="dim", markup=False)) if verbose else None,
                            jobs=jobs)
+        make_folder(output, "--output")
         written = write_report(result, output, _command(output, only, quick, models, pairs, policies,
                                                         online_requests, budget, prices))
     except TesseraError as e:
