@@ -82,7 +82,7 @@ def test_cluster_limits_in_shorthand_and_in_files(tmp_path):
     with pytest.raises(LimitError, match="limit of 64 cpu workers"):
         resolve_device("cpu:1000")
     path = tmp_path / "big.yaml"
-    path.write_text("nodes:\n" + "".join(f"  - devices: {{A100: 1024}}\n" for _ in range(5)))
+    path.write_text("nodes:\n" + "".join("  - devices: {A100: 1024}\n" for _ in range(5)))
     with pytest.raises(LimitError, match=r"big.yaml: nodes\[0..4\]: 5,120 is beyond"):
         parse_cluster(path)
     assert len(parse_cluster("A100:4096").devices) == 4096  # the limit itself is allowed
@@ -212,4 +212,7 @@ def test_plan_compare_json_writes_nothing_unasked(tmp_path, monkeypatch):
                      "--max-batch", "4", "--compare", "--json")
     assert result.exit_code == 0, result.output
     assert [e["policy"] for e in json.loads(result.stdout)][-1] == "tessera"
-    assert list(cwd.iterdir()) == []
+    result = _invoke("census", str(model), "--devices", "A100,L40S", "--phase", "decode", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["plot"] is None
+    assert list(cwd.iterdir()) == []  # before, plan wrote tessera-plan.json (+ PNG) and census a PNG here
