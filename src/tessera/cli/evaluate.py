@@ -14,6 +14,7 @@ from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
 from tessera.errors import TesseraError
+from tessera.limits import CPU_WORKERS
 
 
 def evaluate(
@@ -68,6 +69,7 @@ def evaluate(
         config.check()
         if jobs is None:
             jobs = min(2, os.cpu_count() or 1)
+        CPU_WORKERS.check(jobs, "--jobs")  # each job is a worker process, like a cpu worker
         result = run_suite(config, sections, progress=lambda s: _err.print(s, highlight=False, markup=False),
                            detail=(lambda s: _err.print(f"  {s}", style="dim", markup=False)) if verbose else None,
                            jobs=jobs)
