@@ -21,7 +21,7 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 # Bottom first. docs/architecture.md lists the same layers in the same order (checked below).
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "paths", "documents", "console"),
-    ("graph",),
+    ("graph", "limits"),
     ("hardware", "weights", "workload", "kernels", "sched", "program"),
     ("capture",),
     ("triton_kernels", "cost"),

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from tessera.errors import TesseraError
+from tessera.limits import DENOISING_STEPS, IMAGE_SIDE, REQUESTS, TOKENS, Limit
 
 LENGTHS_DIR = Path(__file__).parent / "data" / "lengths"
 DEFAULT_REQUESTS = 256
@@ -90,11 +91,18 @@ def default_workload(family: str) -> str:
     return DEFAULT_IMAGE_WORKLOAD if family == "diffusion" else DEFAULT_TEXT_WORKLOAD
 
 
+_LIMITS: dict[str, Limit] = {"in": TOKENS, "out": TOKENS, "requests": REQUESTS, "steps": DENOISING_STEPS}
+
+
 def _int(spec: str, key: str, value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise WorkloadError(f"workload {spec!r}: {key}={value!r} is not a whole number") from None
+    shown = spec if len(spec) <= 80 else spec[:72] + "..."
+    n = _LIMITS[key].parse(value.removeprefix("+"), f"workload {shown!r}, {key}")
+    if n is None:
+        try:
+            int(value)
+        except ValueError:
+            raise WorkloadError(f"workload {spec!r}: {key}={value!r} is not a whole number") from None
+        n = int(value)  # a negative number, refused below
     if n < 1:
         raise WorkloadError(f"workload {spec!r}: {key} must be at least 1 (got {n})")
     return n
@@ -112,10 +120,11 @@ def _rate(spec: str, value: str) -> float:
 
 def _resolution(spec: str, value: str) -> tuple[int, int]:
     parts = value.lower().split("x")
-    if len(parts) not in (1, 2) or not all(p.isdigit() and int(p) > 0 for p in parts):
+    shown = spec if len(spec) <= 80 else spec[:72] + "..."
+    sides = [IMAGE_SIDE.parse(p, f"workload {shown!r}, resolution") for p in parts] if len(parts) in (1, 2) else []
+    if not sides or not all(side is not None and side > 0 for side in sides):
         raise WorkloadError(f"workload {spec!r}: resolution={value!r} must be N or WxH, e.g. 1024 or 1024x768")
-    w = int(parts[0])
-    return (w, int(parts[1]) if len(parts) == 2 else w)
+    return (sides[0], sides[-1])
 
 
 def shipped_lengths() -> dict[str, Path]:
@@ -166,6 +175,8 @@ def load_lengths(ref: str) -> LengthDistribution:
         raise WorkloadError(f"lengths file {path}: no requests in it")
     if any(a < 1 or b < 1 for a, b in pairs):
         raise WorkloadError(f"lengths file {path}: every input and output length must be at least 1")
+    for row, (a, b) in enumerate(pairs, 1):
+        TOKENS.check(max(a, b), f"lengths file {path}, request {row}")
     return LengthDistribution(path.stem, tuple(a for a, _ in pairs), tuple(b for _, b in pairs))
 
 

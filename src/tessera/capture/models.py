@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tessera.errors import ConfigError, UnknownModelError
+from tessera.limits import EXPERTS, HEADS, LAYER_WIDTH, LAYERS, TOKENS, VOCAB, Limit
 
 if TYPE_CHECKING:  # transformers takes seconds to import; the functions below import it when called
     from transformers import PretrainedConfig
@@ -111,6 +112,23 @@ _COMPONENT_FIELDS = {
     "AutoencoderKL": ("in_channels", "out_channels", "latent_channels"),
 }
 _DENOISERS = ("transformer", "unet")
+
+# Size fields of transformers and diffusers configs and the limit each is checked against (at any depth of
+# the document: text_config, vision_config...), before a module is built.
+SIZE_LIMITS: dict[str, Limit] = {
+    **dict.fromkeys(("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                     "head_dim", "d_model", "d_ff", "d_kv", "attention_head_dim", "joint_attention_dim",
+                     "pooled_projection_dim", "caption_projection_dim", "projection_dim", "state_size", "n_groups",
+                     "conv_kernel", "patch_size", "in_channels", "out_channels", "latent_channels",
+                     "out_hidden_size", "sample_size", "block_out_channels", "embed_dim", "in_chans",
+                     "spatial_merge_size", "temporal_patch_size", "window_size", "time_step_rank",
+                     "pos_embed_max_size"), LAYER_WIDTH),
+    **dict.fromkeys(("num_hidden_layers", "num_layers", "depth", "layers_per_block"), LAYERS),
+    **dict.fromkeys(("num_attention_heads", "num_key_value_heads", "num_heads"), HEADS),
+    **dict.fromkeys(("num_local_experts", "num_experts", "num_experts_per_tok"), EXPERTS),
+    "vocab_size": VOCAB,
+    **dict.fromkeys(("max_position_embeddings", "sliding_window"), TOKENS),
+}
 
 
 @dataclass(frozen=True)
@@ -316,6 +334,7 @@ def load_config(spec: ModelSpec, component: str | None = None) -> PretrainedConf
         path = _pipeline_component_path(spec, component)
         raw = _read_json(path)
         _check_fields(raw, _COMPONENT_FIELDS.get(_class_name(raw) or "", ()), path)
+        check_sizes(raw, path)
         return raw
     if component is not None:
         raise ConfigError(f"{spec.name} is not a diffusion pipeline; it has no component {component!r}")
@@ -358,7 +377,22 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def check_sizes(raw: dict[str, Any], path: Path | str, prefix: str = "") -> None:
+    """Refuse a size field of a config (at any depth) beyond its limit in `tessera.limits` (a `LimitError`
+    naming the file and the field), before anything is built from it."""
+    for key, value in raw.items():
+        where = f"{path}: field '{prefix}{key}'"
+        if isinstance(value, dict):
+            check_sizes(value, path, f"{prefix}{key}.")
+        elif key in SIZE_LIMITS:
+            values = value if isinstance(value, list) else [value]
+            for item in values:
+                if isinstance(item, int) and not isinstance(item, bool):
+                    SIZE_LIMITS[key].check(item, where)
+
+
 def _validate(raw: dict[str, Any], family: str, path: Path) -> None:
+    check_sizes(raw, path)
     if family == "ssm":
         _check_fields(raw, _SSM_FIELDS, path)
         return

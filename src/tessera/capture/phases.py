@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.capture.budget import TraceBudgetError, check_trace_budget, estimate_trace
 from tessera.capture.build import instantiate
 from tessera.capture.models import ModelSpec, load_config, resolve_model
 from tessera.capture.production import FusionReport, apply_production, check_graph, fusion_of
@@ -20,6 +21,7 @@ from tessera.capture.shapes import (
 )
 from tessera.capture.step import Step
 from tessera.errors import PhaseError, ShapeError
+from tessera.limits import BATCH_ROWS, TOKENS
 
 MAX_HOST_BUILD_BYTES = 4 * 2**30  # random-init builds on a real device beyond this are refused
 
@@ -47,6 +49,10 @@ def resolve_shape(spec: ModelSpec, config, phase: str, batch: int | None = None,
         raise ShapeError(f"--batch must be at least 1 (got {batch})")
     if seq < 1:
         raise ShapeError(f"--seq must be at least 1 (got {seq})")
+    BATCH_ROWS.check(batch, "--batch")
+    TOKENS.check(seq, "--seq")
+    if slots is not None:
+        BATCH_ROWS.check(slots, "the cache's slots")
     if slots is not None and slots < batch:
         raise ShapeError(f"the cache needs at least one slot per row: {slots} slots for a batch of {batch}")
     if spec.family == "diffusion":
@@ -56,6 +62,7 @@ def resolve_shape(spec: ModelSpec, config, phase: str, batch: int | None = None,
     ctx = (max(DEFAULT_CTX, seq) if max_pos is None else min(max(DEFAULT_CTX, seq), max_pos)) if ctx is None else ctx
     if ctx < 1:
         raise ShapeError(f"--ctx must be at least 1 (got {ctx})")
+    TOKENS.check(ctx, "--ctx")
     if phase == "prefill" and seq > ctx:
         raise ShapeError(f"prompt length --seq {seq} exceeds the cache capacity --ctx {ctx}; raise --ctx to at "
                          f"least {seq}")
@@ -160,7 +167,16 @@ def make_step(model: str, phase: str, *, batch: int | None = None, seq: int | No
     if device != "meta" and spec.params and spec.params * 2 > MAX_HOST_BUILD_BYTES:
         raise ShapeError(f"{spec.name} has {spec.params:,} parameters ({spec.params * 2 / 2**30:.1f} GiB in "
                          f"bf16): too large to build with random weights on {device}; trace it on meta")
-    modules, values = build_modules(spec, device, config=None if spec.family == "diffusion" else config,
-                                    graph=graph)
+    configs = ({c: load_config(spec, c) for c in spec.components if c != "scheduler"}
+               if spec.family == "diffusion" else config)
+    check_trace_budget(spec.name, estimate_trace(spec.family, configs, phase, shape, graph), device)
+    try:
+        modules, values = build_modules(spec, device, config=None if spec.family == "diffusion" else config,
+                                        graph=graph)
+    except (MemoryError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "allocate" not in str(e):
+            raise
+        raise TraceBudgetError(f"{spec.name}: building it on {device} ran out of host memory ({e}); trace it "
+                               "on meta, or check the config's widths") from None
     return step_for(spec, modules, values, phase, shape, device)
 

@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from tessera.cli import options as opt
+from tessera.cli.outputs import check_output_file, write_output
 from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
@@ -110,6 +111,7 @@ def calibrate(
     from tessera.hardware.host import host_spec
 
     try:
+        check_output_file(output, "--output", "factors.json")
         rows = []
         threads: set[int | None] = set()
         for p in profiles:
@@ -129,7 +131,7 @@ def calibrate(
         device = host_spec(threads.pop())
         factors = fit_host(rows, device)
         target = output or host_factors_file()
-        save_factors(factors, target)
+        write_output(target, "--output", lambda path: save_factors(factors, path), "factors.json")
     except TesseraError as e:
         _fail(e)
     errs = relative_errors(rows, device, factors)
@@ -158,8 +160,8 @@ def census(
     weights_dtype: str = opt.WEIGHTS_DTYPE,
     kv_dtype: str = opt.KV_DTYPE,
     eager: bool = opt.EAGER,
-    plot: Path = typer.Option(None, "--plot", help="Where to write the ratio-CDF PNG (default: "
-                              "census_<model>_<devA>_<devB>.png in the current directory)."),
+    plot: Path = typer.Option(None, "--plot", help="Where to write the ratio-CDF PNG (default without --json: "
+                              "census_<model>_<devA>_<devB>.png in the current directory; with --json: none)."),
     plot_by: str = typer.Option("phase", "--plot-by", help="One CDF curve per phase, class or block."),
     no_plot: bool = typer.Option(False, "--no-plot", help="Do not write the PNG."),
     graph_kind: str = opt.GRAPH,
@@ -175,6 +177,7 @@ def census(
     try:
         if plot_by not in PLOT_GROUPS:
             raise PlotError(f"--plot-by {plot_by!r} is not a grouping; use one of {', '.join(PLOT_GROUPS)}")
+        check_output_file(plot, "--plot", "census.png")
         chosen = census_phases(model, phases)  # model and phases are checked before anything is traced
         spec_a, spec_b = parse_devices(devices)
         options = CostOptions(weights_dtype=weights_dtype, kv_dtype=kv_dtype, cuda_graphs=not eager)
@@ -184,9 +187,10 @@ def census(
                                 progress=lambda p: status.update(f"tracing {model} {p} and predicting on "
                                                                  f"{spec_a.id} and {spec_b.id}..."))
         target = None
-        if not no_plot:
+        if not no_plot and (plot is not None or not as_json):  # --json prints; it writes only what --plot asks
             safe = re.sub(r"[^A-Za-z0-9._-]+", "-", result.model).strip("-") or "model"
-            target = census_ratio_cdf(result, plot or Path(f"census_{safe}_{spec_a.id}_{spec_b.id}.png"), plot_by)
+            path = plot or Path(f"census_{safe}_{spec_a.id}_{spec_b.id}.png")
+            target = write_output(path, "--plot", lambda png: census_ratio_cdf(result, png, plot_by), "census.png")
     except TesseraError as e:
         _fail(e)
     a, b = result.device_a, result.device_b

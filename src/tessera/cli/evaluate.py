@@ -9,10 +9,12 @@ from pathlib import Path
 
 import typer
 
+from tessera.cli.outputs import check_output_folder, make_folder
 from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
 from tessera.errors import TesseraError
+from tessera.limits import CPU_WORKERS
 
 
 def evaluate(
@@ -46,6 +48,7 @@ def evaluate(
 
     t0 = time.perf_counter()
     try:
+        check_output_folder(output, "--output")  # before the suite's minutes of work
         sections = check_sections(only)
         overrides = {}
         if models:
@@ -66,9 +69,11 @@ def evaluate(
         config.check()
         if jobs is None:
             jobs = min(2, os.cpu_count() or 1)
+        CPU_WORKERS.check(jobs, "--jobs")  # each job is a worker process, like a cpu worker
         result = run_suite(config, sections, progress=lambda s: _err.print(s, highlight=False, markup=False),
                            detail=(lambda s: _err.print(f"  {s}", style="dim", markup=False)) if verbose else None,
                            jobs=jobs)
+        make_folder(output, "--output")
         written = write_report(result, output, _command(output, only, quick, models, pairs, policies,
                                                         online_requests, budget, prices))
     except TesseraError as e:

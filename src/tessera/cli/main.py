@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from tessera.cli import options as opt
+from tessera.cli.outputs import check_output_file, write_output
 from tessera.console import err, out, print_error
 from tessera.console import fail as _fail
 from tessera.errors import TesseraError
@@ -80,7 +81,8 @@ def trace(
     image: str = opt.IMAGE,
     resolution: str = opt.RESOLUTION,
     device: str = typer.Option("meta", "--device", help="meta (no memory, any size) or cpu (random weights)."),
-    output: Path = typer.Option(None, "--output", "-o", help="Write the versioned graph JSON here."),
+    output: Path = typer.Option(None, "--output", "-o", help="Write the versioned graph JSON here (missing "
+                                "folders are created)."),
     graph_kind: str = opt.GRAPH,
     as_json: bool = opt.JSON,
 ) -> None:
@@ -90,12 +92,13 @@ def trace(
     from tessera.graph.summary import summarize
 
     try:
+        check_output_file(output, "--output", "graph.json")
         spec = resolve_model(model)
         with err.status(f"building {spec.name} on {device} and tracing its {phase} step..."):
             graph = trace_model(model, phase, batch=batch, seq=seq, ctx=ctx, image=image, resolution=resolution,
                                 device=device, graph=graph_kind)
         if output:
-            graph.save(output)
+            write_output(output, "--output", graph.save, "graph.json")
     except TesseraError as e:
         _fail(e)
     summary = summarize(graph)
@@ -139,7 +142,8 @@ def profile(
     threads: int = typer.Option(None, "--threads", "-t", help="CPU threads (overrides the cpu:N default)."),
     warmup: int = typer.Option(3, "--warmup", help="Untimed calls of each kernel before timing."),
     repeats: int = typer.Option(10, "--repeats", "-r", help="Timed calls of each kernel (the median is kept)."),
-    output: Path = typer.Option(..., "--output", "-o", help="Write the versioned profile JSON here."),
+    output: Path = typer.Option(..., "--output", "-o", help="Write the versioned profile JSON here (missing "
+                                "folders are created)."),
 ) -> None:
     """Time every kernel of one model step on a real device and write the profile."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -151,6 +155,7 @@ def profile(
     from tessera.runtime.profiler import check_counts, profile_model, resolve_target
 
     try:
+        check_output_file(output, "--output", "profile.json")
         spec = resolve_model(model)  # the model name is checked before anything else
         check_phase(spec, phase)
         target = resolve_target(device, threads)
@@ -168,7 +173,7 @@ def profile(
             prof, graph = profile_model(model, phase, batch=batch, seq=seq, ctx=ctx, image=img, resolution=res,
                                         device=device, threads=threads, warmup=warmup, repeats=repeats,
                                         progress=progress)
-        prof.save(output)
+        write_output(output, "--output", prof.save, "profile.json")
     except TesseraError as e:
         _fail(e)
     shape = ", ".join(f"{k} {v}" for k, v in prof.shape.items())

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from tessera.cli import options as opt
+from tessera.cli.outputs import check_output_file, write_output
 from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
@@ -33,7 +34,8 @@ def plan(
     objective: str = typer.Option(_PLAN.objective, "--objective", help=" | ".join(OBJECTIVES) + "."),
     compare: bool = typer.Option(False, "--compare", help="Solve and list every policy."),
     output: Path = typer.Option(None, "--output", "-o", help="Write the plan (JSON) here; a placement PNG is "
-                                "written beside it (default with --compare: tessera-plan.json)."),
+                                "written beside it (default with --compare and without --json: "
+                                "tessera-plan.json); missing folders are created."),
     prices: str = opt.PRICES,
     weights_dtype: str = opt.WEIGHTS_DTYPE,
     kv_dtype: str = opt.KV_DTYPE,
@@ -54,6 +56,9 @@ def plan(
     from tessera.report.plan_figure import placement_figure
 
     try:
+        if compare and output is None and not as_json:  # --json prints; it writes only what -o asks for
+            output = Path("tessera-plan.json")
+        check_output_file(output, "--output", "plan.json")
         config = PlanConfig(model, cluster, workload, policy, objective, device, max_batch, prices,
                             CostOptions(weights_dtype, kv_dtype), skew, cache_ctx, expert_split)
         ctx = PlanContext.from_config(config, progress=lambda s: _err.print(f"[dim]{s}[/]"))
@@ -68,14 +73,12 @@ def plan(
         other = "latency" if objective == "throughput" else "throughput"
         if chosen.applicable and chosen.feasible:
             add_objective_steps(ctx, chosen, other)
-        if compare and output is None:
-            output = Path("tessera-plan.json")
         figure = None
         if output is not None and chosen.applicable and chosen.steps:
-            output.parent.mkdir(parents=True, exist_ok=True)
-            chosen.save(output)
+            write_output(output, "--output", chosen.save, "plan.json")
             if "replicas" not in chosen.extra:  # request distribution has no kernel split to draw
-                figure = placement_figure(ctx, chosen, output.with_suffix(".png"))
+                figure = write_output(output.with_suffix(".png"), "--output",
+                                      lambda png: placement_figure(ctx, chosen, png), "plan.png")
     except TesseraError as e:
         _fail(e)
     if as_json:

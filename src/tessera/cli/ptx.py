@@ -18,6 +18,7 @@ from tessera.capture.ptx.analyze import analyze_ptx
 from tessera.capture.ptx.extract import extract_ptx
 from tessera.capture.ptx.instrument import instrument_ptx
 from tessera.capture.ptx.results import KernelAccess
+from tessera.cli.outputs import check_output_file, write_output
 from tessera.console import out as _out
 from tessera.console import print_error as _warn
 from tessera.errors import TesseraError
@@ -127,6 +128,7 @@ def instrument(
 ) -> None:
     """Record the first and last byte address of each global access (atom.min/max into an extra buffer)."""
     try:
+        check_output_file(out, "--output", "kernels.ranges.ptx")
         sources, problems, sass_only = _sources(file)
     except (TesseraError, OSError) as e:
         _warn(str(e))
@@ -145,9 +147,9 @@ def instrument(
         _warn(str(e))
         raise typer.Exit(1) from None
     try:
-        out.write_text(result.text)
-    except OSError as e:
-        _warn(f"{out}: cannot be written ({e.strerror or e})")
+        write_output(out, "--output", lambda path: path.write_text(result.text), "kernels.ranges.ptx")
+    except TesseraError as e:
+        _warn(str(e))
         raise typer.Exit(2) from None
     if as_json:
         print(json.dumps({"output": str(out), "buffer_param": result.buffer_param, "sites": result.sites,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.errors import TesseraError
+from tessera.limits import REQUESTS
 from tessera.workload import DEFAULT_IMAGE_WORKLOAD, DEFAULT_TEXT_WORKLOAD
 
 SECTIONS = ("offline", "online", "clusters", "network", "two-gpus")
@@ -91,6 +92,7 @@ class SuiteConfig:
             raise SuiteError(f"prices must be relative or cloud_usd (got {self.prices!r})")
         if self.online_requests < 1:
             raise SuiteError(f"online requests must be at least 1 (got {self.online_requests})")
+        REQUESTS.check(self.online_requests, "--online-requests")
         if self.bisection_steps < 0:
             raise SuiteError(f"bisection steps must be at least 0 (got {self.bisection_steps})")
         if self.max_batch is not None and self.max_batch < 1:

@@ -17,6 +17,7 @@ from tessera.errors import TesseraError
 from tessera.hardware.catalog import HOST_ID, DeviceSpec, UnknownDeviceError, canonical_id
 from tessera.hardware.devices import resolve_device
 from tessera.hardware.host import host_spec, worker_threads
+from tessera.limits import CLUSTER_DEVICES, CPU_WORKERS
 
 LINK_KINDS = ("nvlink", "pcie", "ib", "ethernet", "loopback")
 LINK_NAMES = {"nvlink": "NVLink", "pcie": "PCIe", "ib": "IB", "ethernet": "Ethernet", "loopback": "loopback"}
@@ -175,15 +176,24 @@ def _shorthand_item(spec: str, position: int, item: str) -> tuple[str, int]:
         raise fail("empty item")
     if not name:
         raise fail("no device type before ':'")
-    if sep and not count.isdigit():
+    where = f"cluster spec {spec!r}, item {position} ({item.strip()!r})"
+    n = CLUSTER_DEVICES.parse(count, where) if sep else 1
+    if n is None:
         raise fail(f"count {count!r} is not a whole number")
-    if sep and int(count) < 1:
+    if n < 1:
         raise fail("count must be at least 1")
     try:
         rid = canonical_id(name)
     except UnknownDeviceError as e:
         raise fail(str(e)) from None
-    return rid, int(count) if sep else 1
+    _check_counts({rid: n}, where)
+    return rid, n
+
+
+def _check_counts(counts: dict[str, int], where: str) -> None:
+    """Refuse more devices, or more local cpu workers, than `tessera.limits` allows (before any is built)."""
+    CPU_WORKERS.check(counts.get(HOST_ID, 0), where)
+    CLUSTER_DEVICES.check(sum(counts.values()), where)
 
 
 def parse_cluster(spec: str | Path) -> Cluster:
@@ -208,6 +218,7 @@ def parse_cluster(spec: str | Path) -> Cluster:
             raise ClusterSpecError(f"cluster spec {text!r}, item {position} ({item.strip()!r}): {rid} is listed "
                                    f"twice; give one count per type, e.g. '{rid}:{groups[rid] + count}'")
         groups[rid] = count
+        _check_counts(groups, f"cluster spec {text!r}")
     inter = Link("ib", DEFAULT_NETWORK_GBPS["ib"] * 1e9 / 8, DEFAULT_LATENCY_S["ib"])
     return _build([(f"node{i}", {rid: n}) for i, (rid, n) in enumerate(groups.items())], {}, inter)
 
@@ -289,6 +300,7 @@ class _Doc:
             if rid in counts:
                 raise self.fail(f"{where}.{name}", f"{rid} is listed twice in this node")
             counts[rid] = count
+            _check_counts(counts, f"{self.path}: {where}.{name}")
         if HOST_ID in counts and len(counts) > 1:
             raise self.fail(where, "cpu workers take a node of their own")
         return counts
@@ -333,6 +345,11 @@ def load_cluster_yaml(path: str | Path) -> Cluster:
         if HOST_ID in counts and any(HOST_ID in c for _, c, _ in nodes):
             raise doc.fail(f"{where}.devices", "cpu workers all run on this host: put them in one node")
         nodes.append((name, counts, node))
+        totals: dict[str, int] = {}
+        for _, c, _ in nodes:
+            for rid, n in c.items():
+                totals[rid] = totals.get(rid, 0) + n
+        _check_counts(totals, f"{p}: nodes[0..{i}]")
     cpu = _cpu_spec(sum(c.get(HOST_ID, 0) for _, c, _ in nodes))
     links = {}
     for i, (name, counts, node) in enumerate(nodes):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tessera.hardware.catalog import HOST_ID, DeviceSpec, UnknownDeviceError, canonical_id, datasheet_spec
 from tessera.hardware.host import host_spec, worker_threads
+from tessera.limits import CPU_WORKERS
 
 
 def resolve_device(name: str) -> DeviceSpec:
@@ -24,6 +25,7 @@ def resolve_device(name: str) -> DeviceSpec:
         return datasheet_spec(rid)
     if not sep:
         return host_spec()
-    if not count.strip().isdigit() or int(count) < 1:
+    workers = CPU_WORKERS.parse(count, f"device {name!r}")
+    if workers is None or workers < 1:
         raise UnknownDeviceError(f"device {name!r}: expected 'cpu:N' with N a whole number >= 1 (workers)")
-    return host_spec(worker_threads(int(count)))
+    return host_spec(worker_threads(workers))

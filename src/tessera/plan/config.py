@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from tessera.cost.options import CostOptions
 from tessera.errors import TesseraError
+from tessera.limits import BATCH_ROWS, TOKENS
 from tessera.plan.problem import OBJECTIVES
 from tessera.workload import default_workload
 
@@ -64,8 +65,12 @@ class PlanConfig:
             raise PlanConfigError(f"--prices must be relative or cloud_usd (got {self.prices!r})")
         if self.max_batch is not None and self.max_batch < 1:
             raise PlanConfigError(f"--max-batch must be at least 1 (got {self.max_batch})")
+        if self.max_batch is not None:
+            BATCH_ROWS.check(self.max_batch, "--max-batch")
         if self.cache_ctx is not None and self.cache_ctx < 1:
             raise PlanConfigError(f"--ctx must be at least 1 (got {self.cache_ctx})")
+        if self.cache_ctx is not None:
+            TOKENS.check(self.cache_ctx, "--ctx")
 
     def workload_text(self) -> str:
         """The workload asked for, or the model family's default."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from tessera.errors import TesseraError
 from tessera.hardware.cluster import Cluster, parse_cluster
+from tessera.limits import THREADS, TOKENS
 
 if TYPE_CHECKING:
     from tessera.runtime.generate import Sampling
@@ -51,10 +52,13 @@ class RunConfig:
             raise RunSetupError("give at most one of --plan, --policy and --placement")
         if self.max_tokens < 1:
             raise RunSetupError(f"--max-tokens must be at least 1 (got {self.max_tokens})")
+        TOKENS.check(self.max_tokens, "--max-tokens")
         if self.on_failure not in ON_FAILURE:
             raise RunSetupError(f"--on-failure must be fail or replan (got {self.on_failure!r})")
         if self.threads is not None and self.threads < 1:
             raise RunSetupError(f"--threads must be at least 1 (got {self.threads})")
+        if self.threads is not None:
+            THREADS.check(self.threads, "--threads")
         self.sampling()
         if self.interface is not None:
             from tessera.runtime.coordination import interface_address  # on use: imports torch.distributed

@@ -23,6 +23,7 @@ from tessera.cost.profile import KernelTiming, Profile, kernel_signature
 from tessera.errors import TesseraError
 from tessera.graph.codec import tensor_refs
 from tessera.graph.ir import Kernel, KernelGraph, TensorRef
+from tessera.limits import CPU_WORKERS, PROFILE_CALLS, THREADS
 from tessera.program.program import single_device_program
 from tessera.runtime.executor import Executor
 
@@ -68,6 +69,8 @@ def resolve_target(device: str, threads: int | None = None) -> ProfileTarget:
                            f"(got {device!r})")
     if threads is not None and threads < 1:
         raise ProfileError(f"--threads must be at least 1 (got {threads})")
+    if threads is not None:
+        THREADS.check(threads, "--threads")
     kind, number = m.group(1), m.group(2)
     if kind == "cpu":
         from tessera.hardware.host import cpu_model, worker_threads
@@ -75,6 +78,7 @@ def resolve_target(device: str, threads: int | None = None) -> ProfileTarget:
         workers = 1 if number is None else int(number)
         if workers < 1:
             raise ProfileError(f"--device {device}: the number of CPU workers must be at least 1")
+        CPU_WORKERS.check(workers, f"--device {device}")
         return ProfileTarget("cpu", "cpu", cpu_model(), threads or worker_threads(workers))
     if not torch.cuda.is_available():
         raise ProfileError(f"--device {device}: CUDA is not available here (torch {torch.__version__}); profile "
@@ -93,6 +97,8 @@ def check_counts(warmup: int, repeats: int) -> None:
         raise ProfileError(f"--repeats must be at least 1 (got {repeats})")
     if warmup < 0:
         raise ProfileError(f"--warmup must be 0 or more (got {warmup})")
+    PROFILE_CALLS.check(repeats, "--repeats")
+    PROFILE_CALLS.check(warmup, "--warmup")
 
 
 @contextmanager

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.errors import TesseraError
+from tessera.limits import BATCH_ROWS, THREADS, TOKENS
 from tessera.plan.config import LATENCY_BUCKET, check_policy
 
 
@@ -49,10 +50,14 @@ class ServeConfig:
                                    "here")
         if self.slots < 1:
             raise ServeOptionError(f"--slots must be at least 1 (got {self.slots})")
+        BATCH_ROWS.check(self.slots, "--slots")
         if self.max_context < 2:
             raise ServeOptionError(f"--max-context must be at least 2 (got {self.max_context})")
+        TOKENS.check(self.max_context, "--max-context")
         if self.threads is not None and self.threads < 1:
             raise ServeOptionError(f"--threads must be at least 1 (got {self.threads})")
+        if self.threads is not None:
+            THREADS.check(self.threads, "--threads")
         if self.placement is not None and self.placement not in PLACEMENTS:
             raise ServeOptionError(f"--placement must be one of {', '.join(PLACEMENTS)} (got {self.placement!r})")
         if not self.beta > 0:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tessera.limits import TOKENS
 from tessera.plan.config import PlanConfig, PlanConfigError
 from tessera.sched.scheduler import DEFAULT_MAX_CONTEXT
 
@@ -31,6 +32,7 @@ class SimulationConfig:
         self.plan.check()
         if self.max_context < 1:
             raise PlanConfigError(f"--max-context must be at least 1 (got {self.max_context})")
+        TOKENS.check(self.max_context, "--max-context")
 
     def deployment(self, progress: Callable[[str], None] | None = None) -> tuple[PlanContext, DeploymentPlan]:
         """The planning context and the deployment to simulate: the plan file's, or the policy planned now."""

@@ -21,6 +21,7 @@ from torch import nn
 from tessera.capture.build import instantiate
 from tessera.capture.step import Step
 from tessera.errors import PhaseError, ShapeError
+from tessera.limits import IMAGE_SIDE
 
 DIFFUSION_PHASES = ("encode", "step", "decode")
 COMPONENTS = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae")
@@ -138,8 +139,12 @@ def parse_resolution(text: str) -> tuple[int, int]:
     m = _RESOLUTION_RE.match(text)
     if m is None:
         raise ShapeError(f"invalid resolution {text!r}: {expected}")
+    if max(len(g) for g in m.groups() if g) > 9:  # int() of thousands of digits is itself refused
+        IMAGE_SIDE.check(10**9, f"resolution {text[:32]!r}")
     width = int(m.group(1))
     height = int(m.group(2)) if m.group(2) is not None else width
+    for side in (width, height):
+        IMAGE_SIDE.check(side, f"resolution {text!r}")
     if width <= 0 or height <= 0 or width % RESOLUTION_MULTIPLE or height % RESOLUTION_MULTIPLE:
         raise ShapeError(f"invalid resolution {text!r}: {expected}")
     return width, height

@@ -28,6 +28,7 @@ from tessera.capture.families.llm import kv_of, new_kv_cache, sampled, step_meta
 from tessera.capture.ops import StepContext, register_hf_hooks, step_context
 from tessera.capture.step import Step
 from tessera.errors import PhaseError, ShapeError
+from tessera.limits import IMAGE_SIDE
 
 VLM_PHASES = ("encode", "prefill", "decode")
 ATTN_IMPLEMENTATION = {"": "sdpa", "text_config": "tessera", "vision_config": "sdpa"}
@@ -65,8 +66,12 @@ _IMAGE_RE = re.compile(r"^\s*(\d+)\s*[xX×]\s*(\d+)\s*$")
 def parse_image_size(text: str) -> tuple[int, int]:
     """``"504x504"`` -> (width, height) in pixels."""
     m = _IMAGE_RE.match(text)
+    if m and max(len(m.group(1)), len(m.group(2))) > 9:  # int() of thousands of digits is itself refused
+        IMAGE_SIDE.check(10**9, f"image size {text[:32]!r}")
     if not m or int(m.group(1)) <= 0 or int(m.group(2)) <= 0:
         raise ShapeError(f"image size {text!r} is not WIDTHxHEIGHT in pixels (e.g. 504x504)")
+    for side in (int(m.group(1)), int(m.group(2))):
+        IMAGE_SIDE.check(side, f"image size {text!r}")
     return int(m.group(1)), int(m.group(2))
 
 
