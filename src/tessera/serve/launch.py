@@ -101,7 +101,7 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
     if cfg.policy == "request-dist" and not cfg.local and cfg.placement is None:  # one engine per replica
         from tessera.serve.replicas import start_replicas
 
-        return start_replicas(cfg, log)
+        return start_replicas(cfg, start_engine, PLAN_PROMPT, log)
     tokenizer = _tokenizer(cfg.model)
     cluster = parse_cluster(cfg.cluster)
     if any(d.spec.id != "cpu" for d in cluster.devices):

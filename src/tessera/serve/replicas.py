@@ -21,16 +21,16 @@ class Replica:
     rows: int
 
 
-def replica_rows(cfg: ServeConfig, workers: int, threads: int, log: Callable[[str], None]) -> tuple[list[Replica], str]:
+def replica_rows(cfg: ServeConfig, workers: int, threads: int, plan_prompt: int,
+                 log: Callable[[str], None]) -> tuple[list[Replica], str]:
     """The request-dist plan's replicas for ``cfg`` on ``cpu:workers`` (planned with this host's measured
-    kernel times), and the plan's reason line."""
+    kernel times at a ``plan_prompt``-token prompt), and the plan's reason line."""
     from tessera.plan.planner import plan_policy
     from tessera.runtime.session import host_profile, runtime_context, runtime_graphs
-    from tessera.serve.launch import PLAN_PROMPT
 
-    base = runtime_graphs(cfg.model, PLAN_PROMPT, cfg.max_context, cfg.slots)
+    base = runtime_graphs(cfg.model, plan_prompt, cfg.max_context, cfg.slots)
     profile = host_profile(cfg.model, base, threads, log)
-    ctx = runtime_context(cfg.model, workers, PLAN_PROMPT, 64, cfg.max_context, cfg.slots, 1, profile, log)
+    ctx = runtime_context(cfg.model, workers, plan_prompt, 64, cfg.max_context, cfg.slots, 1, profile, log)
     plan = plan_policy(ctx, "request-dist", "throughput")
     if not (plan.applicable and plan.feasible):
         raise ServeSetupError(f"the request-dist plan for {cfg.model} on {cfg.cluster} is not runnable: {plan.reason}")
@@ -42,10 +42,11 @@ def replica_rows(cfg: ServeConfig, workers: int, threads: int, log: Callable[[st
     return replicas, plan.reason
 
 
-def start_replicas(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) -> tuple[ReplicatedEngine, str]:
-    """Plan request-dist for ``cfg`` and start one single-worker engine per replica."""
+def start_replicas(cfg: ServeConfig, start_engine: Callable[..., tuple[Engine, str]], plan_prompt: int,
+                   log: Callable[[str], None] = lambda s: None) -> tuple[ReplicatedEngine, str]:
+    """Plan request-dist for ``cfg`` and start one single-worker engine per replica (each by
+    ``start_engine``, `tessera.serve.launch.start_engine`, with a one-worker homogeneous config)."""
     from tessera.hardware.cluster import parse_cluster
-    from tessera.serve.launch import start_engine
 
     if cfg.latency_policy is not None:
         raise ServeSetupError("--policy request-dist runs one engine per replica, each on one worker; "
@@ -53,7 +54,7 @@ def start_replicas(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None
     cluster = parse_cluster(cfg.cluster)
     workers = len(cluster.devices)
     threads = cfg.threads or cluster.devices[0].spec.threads or 1
-    replicas, reason = replica_rows(cfg, workers, threads, log)
+    replicas, reason = replica_rows(cfg, workers, threads, plan_prompt, log)
     engines: list[Engine] = []
     try:
         for r in replicas:
