@@ -63,18 +63,37 @@ def test_every_policy_serves_a_correct_completion(policy):
     server = _Server(policy)
     try:
         url = server.url()
-        r = httpx.post(f"{url}/v1/completions", timeout=120,
-                       json={"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 2,
-                             "temperature": 0})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["choices"][0]["text"] == " Paris.", body
-        assert body["usage"]["completion_tokens"] == 2
+        # request-dist: two requests at once, one per replica (each has one slot); else one request
+        bodies = _completions(url, 2 if policy == "request-dist" else 1)
+        for body in bodies:
+            assert body["choices"][0]["text"] == " Paris.", body
+            assert body["usage"]["completion_tokens"] == 2
         assert re.search(rf"placement: (throughput: )?{policy}", server.log), server.log
-        if policy == "request-dist":  # one engine per worker, one slot each
-            assert "1 slots on cpu:0, 1 slots on cpu:1" in server.log, server.log
-        if policy == "attention-ffn":
-            assert httpx.get(f"{url}/metrics", timeout=30).status_code == 200
+        if policy == "request-dist":  # one engine per worker, one slot each, both busy
+            assert "1 slot on cpu:0, 1 slot on cpu:1" in server.log, server.log
+            metrics = httpx.get(f"{url}/metrics", timeout=30).text
+            busy = dict(re.findall(r'tessera_device_busy_seconds_total\{device="(cpu:\d)"\} (\S+)', metrics))
+            assert set(busy) == {"cpu:0", "cpu:1"} and all(float(v) > 0 for v in busy.values()), metrics
+            assert "tessera_completed_requests_total 2" in metrics, metrics
     finally:
         server.close()
     assert server.proc.returncode is not None
+
+
+def _completions(url: str, n: int) -> list[dict]:
+    """``n`` greedy completions of the prompt sent at once."""
+    replies: list[httpx.Response | None] = [None] * n
+
+    def one(i: int) -> None:
+        replies[i] = httpx.post(f"{url}/v1/completions", timeout=120,
+                                json={"model": "smollm2-135m", "prompt": "The capital of France is",
+                                      "max_tokens": 2, "temperature": 0})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in replies:
+        assert r is not None and r.status_code == 200, r and r.text
+    return [r.json() for r in replies]

@@ -66,7 +66,8 @@ def start_replicas(cfg: ServeConfig, start_engine: Callable[..., tuple[Engine, s
         for e in engines:
             e.stop()
         raise
-    how = f"request-dist plan ({reason}): " + ", ".join(f"{r.rows} slots on {r.target}" for r in replicas)
+    how = f"request-dist plan ({reason}): " + ", ".join(f"{r.rows} slot{'s' if r.rows != 1 else ''} on {r.target}"
+                                                          for r in replicas)
     return ReplicatedEngine(engines, [r.target for r in replicas]), how
 
 
