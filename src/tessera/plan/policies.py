@@ -57,8 +57,6 @@ def applicability(ctx: PlanContext, policy: str) -> str | None:
     types = ctx.cluster.placement_types()
     if policy in ("prefill-decode", "attention-ffn", "layer-pipeline") and len(types) < 2:
         return f"it splits a model over two device types and the cluster has one ({ctx.cluster.describe()})"
-    if policy == "request-dist" and ctx.single_replica:
-        return "the runtime runs one replica of the model; request distribution needs one per device"
     if policy == "request-dist" and len(types) < 2:
         return f"the cluster has one device type: request distribution is the homogeneous plan ({ctx.cluster.describe()})"
     return None
@@ -133,11 +131,13 @@ def request_dist(ctx: PlanContext, objective: str) -> DeploymentPlan:
     types = list(ctx.cluster.placement_types())
     parts = [homogeneous(ctx, "throughput", rid) for rid in types]
     fitting = [p for p in parts if p.feasible]
+    idle = []
     if len(fitting) > 1:  # the deployment's batch is shared: each type gets rows in proportion to its speed
-        total = sum(p.throughput for p in fitting)
-        shares = {p.device: max(1, round(ctx.batch * p.throughput / total)) for p in fitting}
-        parts = [homogeneous(ctx.for_batch(shares[p.device]), "throughput", p.device) if p.feasible else p
-                 for p in parts]
+        shares = split_rows(ctx.batch, [p.throughput for p in fitting])
+        rows = {p.device: n for p, n in zip(fitting, shares, strict=True)}
+        idle = [p.device for p in fitting if rows[p.device] == 0]
+        parts = [homogeneous(ctx.for_batch(rows[p.device]), "throughput", p.device) if p.feasible and rows[p.device]
+                 else p for p in parts if p.device not in idle]
         fitting = [p for p in parts if p.feasible]
     if not fitting:
         reason = "no device type holds a replica: " + "; ".join(f"{p.device}: {p.reason}" for p in parts)
@@ -154,7 +154,8 @@ def request_dist(ctx: PlanContext, objective: str) -> DeploymentPlan:
         ttft_s=max(p.ttft_s for p in fitting), bound="compute on every replica",
         reason=", ".join(f"{p.device}: {p.throughput / sum(q.throughput for q in fitting):.0%} of requests"
                          for p in fitting) + ("" if len(fitting) == len(parts) else "; left out (no fit): " +
-                                              ", ".join(p.device for p in parts if not p.feasible)))
+                                              ", ".join(p.device for p in parts if not p.feasible)) +
+        (f"; idle (no rows of a batch of {ctx.batch}): {', '.join(idle)}" if idle else ""))
     offset = 0
     for p in fitting:
         for s in p.steps:
@@ -163,6 +164,20 @@ def request_dist(ctx: PlanContext, objective: str) -> DeploymentPlan:
         offset += len(p.targets)
     plan.extra["replicas"] = [p.summary() for p in fitting]
     return plan
+
+
+def split_rows(batch: int, speeds: list[float]) -> list[int]:
+    """``batch`` rows divided in proportion to ``speeds``, exactly (largest remainders; they sum to
+    ``batch``, and a replica may get none when there are fewer rows than replicas)."""
+    total = sum(speeds)
+    if batch < 0 or not speeds or not total > 0:
+        raise PlanningError(f"cannot split {batch} rows by speeds {speeds}")
+    exact = [batch * s / total for s in speeds]
+    rows = [int(x) for x in exact]
+    by_remainder = sorted(range(len(speeds)), key=lambda i: (-(exact[i] - rows[i]), -speeds[i], i))
+    for i in by_remainder[:batch - sum(rows)]:
+        rows[i] += 1
+    return rows
 
 
 def prefill_decode(ctx: PlanContext, objective: str) -> DeploymentPlan:
@@ -305,7 +320,8 @@ def residency_allowed(sp, residency: dict[str, list[int]]) -> np.ndarray:
 
 
 def attention_ffn(ctx: PlanContext, objective: str) -> DeploymentPlan:
-    """Attention on one target, FFN on another, M >= 2 micro-batches; the rest placed by the solver."""
+    """Attention on one target, FFN on another, M >= 2 micro-batches (M = 1 when the batch cannot be
+    split); the rest placed by the solver."""
     plans = []
     for r in ctx.replica_counts():
         rctx = _replica(ctx, r)
@@ -313,7 +329,11 @@ def attention_ffn(ctx: PlanContext, objective: str) -> DeploymentPlan:
         if r > 1 and not rctx.can_hold(targets):
             continue
         for att, ffn in itertools.permutations(range(len(targets)), 2):
-            for m in rctx.micro_batch_options(rctx.main_phase, minimum=1 if objective == "latency" else 2):
+            # M >= 2 lets the halves ping-pong; where the batch cannot be split (one sequence, or the
+            # runtime's fixed M = 1) the split still runs, its halves taking turns on one micro-batch
+            ms = (rctx.micro_batch_options(rctx.main_phase, minimum=1 if objective == "latency" else 2)
+                  or rctx.micro_batch_options(rctx.main_phase))
+            for m in ms:
                 try:
                     results = _phase_chain(rctx, targets, m, objective, blocks=(att, ffn))
                 except (SolverError, PlanningError):
@@ -523,6 +543,8 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
     for b in baselines or []:
         if not (b.applicable and b.feasible):
             continue
+        if b.policy == "request-dist" and ctx.single_replica:  # a runtime plan is one copy of the model over
+            continue  # the workers; request-dist runs only as itself (its replicas, each with its own rows)
         if _better(best, b, objective) is b and b is not best:
             tie = DeploymentPlan(**{**b.__dict__, "policy": "tessera", "steps": b.steps, "extra": dict(b.extra)})
             tie.reason = f"ties {b.policy}" + (f" ({b.device})" if b.device else "") + ": kernel placement found " \

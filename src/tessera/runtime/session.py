@@ -73,17 +73,22 @@ def placements_from_plan(plan: DeploymentPlan, graphs: dict[str, KernelGraph], w
     """Each phase's kernel -> worker from a deployment plan made for exactly these graphs."""
     if not plan.applicable or not plan.feasible:
         raise PlanFileError(f"{source} ({plan.policy}) is not a runnable plan: {plan.reason}")
+    if len(plan.extra.get("replicas", [])) > 1:
+        raise PlanFileError(f"{source} ({plan.policy}) divides the batch among {len(plan.extra['replicas'])} "
+                            "replicas, each with its own graphs; one runner runs one copy of the model (tessera "
+                            "serve --policy request-dist starts one engine per replica)")
     out, mbs = {}, {}
     for phase, g in graphs.items():
         step = plan.check_graph(phase, g.hash)
+        offset = step.solver.get("target_offset", 0)  # request-dist: the replica's first worker
         if step.expert_parts:
             raise PlanFileError(f"{source} splits MoE expert GEMMs over devices ({len(step.expert_parts)} kernels), "
                                 "which the runtime does not execute yet; plan with --no-expert-split")
-        used = max(step.assignment) + 1
+        used = max(step.assignment) + offset + 1
         if used > workers:
             raise PlanFileError(f"{source} places kernels on {used} devices ({', '.join(plan.targets)}) but the "
                                 f"cluster has {workers} workers; run it on a cluster with at least {used}")
-        out[phase], mbs[phase] = list(step.assignment), step.micro_batches
+        out[phase], mbs[phase] = [a + offset for a in step.assignment], step.micro_batches
     return out, mbs
 
 

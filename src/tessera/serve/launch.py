@@ -96,6 +96,10 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
     if cfg.slots < 1 or cfg.max_context < 2:
         raise ServeSetupError(f"slots must be at least 1 and the context at least 2 (got {cfg.slots}, "
                               f"{cfg.max_context})")
+    if cfg.policy == "request-dist" and not cfg.local and cfg.placement is None:  # one engine per replica
+        from tessera.serve.replicas import start_replicas
+
+        return start_replicas(cfg, start_engine, PLAN_PROMPT, log)
     tokenizer = _tokenizer(cfg.model)
     cluster = parse_cluster(cfg.cluster)
     if any(d.spec.id != "cpu" for d in cluster.devices):
