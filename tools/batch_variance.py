@@ -29,8 +29,17 @@ from tessera.serve.launch import start_engine
 MODEL = "smollm2-135m"
 
 
-def prompts(n: int) -> list[str]:
-    """The prompts of tests/serve/test_api.py's 64-request test (each repeats its own number)."""
+SUBJECTS = ["the sea", "a city", "my dog", "winter", "the moon", "a robot", "music", "the forest"]
+OPENINGS = ["Write a short story about {}:", "Here is a fact about {}:", "Describe {} in one sentence:",
+            "The best thing about {} is", "Q: What do you think of {}? A:", "A poem about {}:\n",
+            "Three words for {}:", "Once upon a time, {}"]
+
+
+def prompts(n: int, kind: str = "count") -> list[str]:
+    """``count``: the prompts of tests/serve/test_api.py's 64-request test (each repeats its own number);
+    ``text``: short English prompts (an opening x a subject), whose continuations are less certain."""
+    if kind == "text":
+        return [OPENINGS[i % 8].format(SUBJECTS[(i // 8 + i) % 8]) for i in range(n)]
     return [f"{100 + 13 * i}, {100 + 13 * i}, {100 + 13 * i}, {100 + 13 * i}," for i in range(n)]
 
 
@@ -81,12 +90,12 @@ def margin(row: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
-def engine_level(n: int, max_tokens: int, slots: int, invariant: bool) -> dict:
+def engine_level(n: int, max_tokens: int, slots: int, invariant: bool, kind: str = "count") -> dict:
     cfg = ServeConfig(MODEL, "cpu:1", slots=slots, max_context=128, local=True, batch_invariant=invariant)
     engine, _ = start_engine(cfg)
     try:
         engine.backend = Recorder(engine.backend)
-        texts = prompts(n)
+        texts = prompts(n, kind)
         t0 = time.perf_counter()
         alone, logits = serve(engine, texts, max_tokens, together=False)
         t1 = time.perf_counter()
@@ -99,7 +108,7 @@ def engine_level(n: int, max_tokens: int, slots: int, invariant: bool) -> dict:
         if a != b:
             k = next(j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
             diffs.append({"prompt": i, "first_diff_token": k, "alone_margin": round(margin(logits[i][k][0]), 4)})
-    return {"prompts": n, "differ": len(diffs), "details": diffs, "alone_s": round(t1 - t0, 1),
+    return {"prompts": n, "kind": kind, "max_tokens": max_tokens, "differ": len(diffs), "details": diffs, "alone_s": round(t1 - t0, 1),
             "batched_s": round(t2 - t1, 1)}
 
 
@@ -162,6 +171,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=["both", "default", "invariant"], default="both")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--prompt-set", choices=["count", "text"], default="count")
     args = ap.parse_args()
     torch.set_num_threads(1)
     modes = {"both": [False, True], "default": [False], "invariant": [True]}[args.mode]
@@ -170,7 +180,8 @@ def main() -> None:
         if not args.skip_kernels:
             result["kernel_level"] = kernel_level(args.slots, invariant)
         if not args.skip_engine:
-            result["engine_level"] = engine_level(args.prompts, args.max_tokens, args.slots, invariant)
+            result["engine_level"] = engine_level(args.prompts, args.max_tokens, args.slots, invariant,
+                                                  args.prompt_set)
         print(json.dumps(result, indent=1), flush=True)
 
 

@@ -23,11 +23,11 @@ TOKENS = 6
 
 def test_invariant_gemms_match_torch_and_are_row_independent():
     torch.manual_seed(0)
-    x = torch.randn(16, 576, dtype=torch.bfloat16)
+    x = torch.randn(8, 576, dtype=torch.bfloat16)
     w = [torch.randn(n, 576, dtype=torch.bfloat16) for n in (576, 192, 192)]
     b = [torch.randn(n, dtype=torch.bfloat16) for n in (576, 192, 192)]
-    perm = torch.randperm(16)
-    cases = [  # (invariant function, its torch reference, one-row call)
+    perm = torch.randperm(8)
+    cases = [  # (invariant function, its torch reference)
         (lambda t: invariant.mm(t, w[0].T), lambda t: torch.mm(t, w[0].T)),
         (lambda t: invariant.addmm(b[0], t, w[0].T), lambda t: torch.addmm(b[0], t, w[0].T)),
         (lambda t: invariant.linear(t, w[1], b[1]), lambda t: F.linear(t, w[1], b[1])),
@@ -39,11 +39,11 @@ def test_invariant_gemms_match_torch_and_are_row_independent():
         full = fn(x)
         torch.testing.assert_close(full.float(), ref(x).float(), rtol=2e-2, atol=0.25)
         assert full.dtype == torch.bfloat16 and full.is_contiguous()
-        alone = torch.cat([fn(x[i:i + 1]) for i in range(16)])
+        alone = torch.cat([fn(x[i:i + 1]) for i in range(8)])
         assert torch.equal(full, alone)  # every row is its one-row result, bit for bit
         assert torch.equal(fn(x[perm]), full[perm])  # wherever it sits in the batch
         assert torch.equal(fn(x[:5]), full[:5])  # whatever the batch size
-    per_row_bias = torch.randn(16, 576, dtype=torch.bfloat16)
+    per_row_bias = torch.randn(8, 576, dtype=torch.bfloat16)
     got = invariant.addmm(per_row_bias, x, w[0].T, beta=0.5, alpha=2.0)
     torch.testing.assert_close(got.float(), torch.addmm(per_row_bias, x, w[0].T, beta=0.5, alpha=2.0).float(),
                                rtol=2e-2, atol=0.5)
@@ -76,7 +76,7 @@ class _Recorder:
 def engine():
     """One process, 4 slots, GEMMs row by row; the monitor never closes a window (the tests set the
     objective); the latency objective's cap (3) is not a row bucket (1, 2, 4), so its steps are padded."""
-    cfg = ServeConfig(MODEL, "cpu:1", slots=4, max_context=64, local=True, batch_invariant=True, latency_rows=3,
+    cfg = ServeConfig(MODEL, "cpu:1", slots=4, max_context=32, local=True, batch_invariant=True, latency_rows=3,
                       threads=1, window_s=3600.0)
     engine, how = start_engine(cfg)
     assert "batch-invariant" in how
@@ -145,3 +145,27 @@ def test_padding_rows_work_with_more_requests_in_flight_than_spare_slots(engine,
     assert engine.error is None
     assert 4 in engine.backend.widths  # padded steps ran (3 requests + 1 padding row)
     assert [g.tokens for g, _ in together] == [tokens for tokens, _ in alone]  # and wrote nothing a request reads
+
+
+def test_workers_load_batch_invariant_executors(engine):
+    """`Load(batch_invariant=True)` (what `DistributedRunner` sends) gives the worker executors that run the
+    GEMMs row by row: a decode step there equals the engine's own batch-invariant replay bit for bit."""
+    from tessera.program.program import single_device_program
+    from tessera.runtime.commands import Load, PhaseLoad
+    from tessera.runtime.session import weight_files
+    from tessera.runtime.worker import Worker, WorkerConfig
+
+    runner = engine.backend.backend.runner
+    graph = runner.executors["decode@4"].graph
+    worker = Worker(WorkerConfig(0, "127.0.0.1", 0, 1), store=None)
+    worker.load(Load({"decode@4": PhaseLoad(graph, single_device_program(graph), [])}, weight_files(MODEL), None, 1,
+                     batch_invariant=True))
+    ex = worker.phases["decode@4"][3]
+    assert ex.batch_invariant
+    inputs = {"input_ids": torch.tensor([[11], [12], [13], [14]]), "positions": torch.tensor([3, 5, 7, 9]),
+              "slots": torch.arange(4)}
+    state = {k: v.clone() for k, v in runner.state.items()}
+    got = ex.run(inputs, {k: v.clone() for k, v in state.items()})["logits"]
+    want = runner.executors["decode@4"].run(inputs, state)["logits"]
+    assert torch.equal(got, want)
+    assert ex._calls[next(i for i, k in enumerate(graph.kernels) if k.op == "aten.mm.default")].func is invariant.mm
