@@ -70,6 +70,9 @@ def serve(
     cooldown_s: float = typer.Option(_SERVE.cooldown_s, "--cooldown-s", help="Least time between two plan switches."),
     local: bool = typer.Option(_SERVE.local, "--local", help="Run every step in this process (the single-process "
                                "reference) instead of on workers."),
+    batch_invariant: bool = typer.Option(_SERVE.batch_invariant, "--batch-invariant", help="GEMMs row by row, so a "
+                                         "request's outputs do not depend on the requests batched with it (slower; "
+                                         "off by default)."),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics), its kernels placed on local cpu workers."""
@@ -85,7 +88,8 @@ def serve(
     try:
         cfg = ServeConfig(model, cluster, slots=slots, max_context=max_context, policy=policy,
                           latency_policy=latency_policy, placement=placement, seed=seed, threads=threads,
-                          beta=beta, window_s=window_ms / 1000, cooldown_s=cooldown_s, local=local)
+                          beta=beta, window_s=window_ms / 1000, cooldown_s=cooldown_s, local=local,
+                          batch_invariant=batch_invariant)
         cfg.check()
         if not 0 <= port <= 65535:
             raise ServeOptionError(f"--port must be 0..65535 (got {port})")

@@ -115,12 +115,14 @@ class Connect(Command):
 @dataclass(frozen=True)
 class Load(Command):
     """Load every phase's graph and program, the weights its kernels read (from ``weights_path``, or the
-    tensors of ``weights``) and ``state_instances`` zeroed instances of its state."""
+    tensors of ``weights``) and ``state_instances`` zeroed instances of its state; ``batch_invariant``: GEMMs
+    row by row (see `tessera.runtime.executor.Executor`)."""
 
     phases: dict[str, PhaseLoad]
     weights_path: str | list[str] | None
     weights: Tensors | None
     state_instances: int
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ class DistributedRunner:
                  micro_batches: dict[str, int] | None = None, *, weights_path: str | None = None,
                  weights: dict[str, torch.Tensor] | None = None, state_instances: int = 1,
                  on_failure: str = "fail", replan: Replanner | None = None, step_timeout_s: float = 120.0,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, batch_invariant: bool = False):
         if on_failure not in FAILURE_MODES:
             raise RuntimeInputError(f"on_failure must be one of {FAILURE_MODES}, got {on_failure!r}")
         if on_failure == "replan" and replan is None:
@@ -79,6 +79,7 @@ class DistributedRunner:
         self.micro_batches = {p: 1 for p in graphs} | dict(micro_batches or {})
         self.weights_path, self.weights = weights_path, weights
         self.state_instances = state_instances
+        self.batch_invariant = batch_invariant  # every worker runs its GEMMs row by row
         self.on_failure, self.replan = on_failure, replan
         self.step_timeout_s = step_timeout_s
         self.log = log or (lambda text: print(text, file=sys.stderr))
@@ -116,7 +117,7 @@ class DistributedRunner:
                 names = {n for sp in self.programs.values() for n in sp.programs[rank].weights}
                 names |= {a for g in self.graphs.values() for n in names if n in g.buffers for a in g.buffers[n].aliases}
                 weights = {n: t for n, t in self.weights.items() if n in names}
-            loads[w] = Load(phases, self.weights_path, weights, self.state_instances)
+            loads[w] = Load(phases, self.weights_path, weights, self.state_instances, self.batch_invariant)
         self.pool.call(loads, self.step_timeout_s)
         # state rows -> the rank holding their latest value (-1: every holder has the same value)
         self.owner: dict[tuple[str, int], list[int]] = {}

@@ -17,6 +17,7 @@ from tessera.errors import TesseraError
 from tessera.graph.codec import decode, dtype_from_name
 from tessera.graph.ir import KernelGraph, TensorRef
 from tessera.graph.values import unpack_values
+from tessera.kernels.invariant import invariant_op
 from tessera.kernels.sample import with_sampling_defaults
 from tessera.program.program import Program
 
@@ -35,15 +36,17 @@ def resolve_op(name: str):
 
 
 class Executor:
-    """Runs a Program of ``graph`` on ``device`` with weights given by buffer name."""
+    """Runs a Program of ``graph`` on ``device`` with weights given by buffer name. With ``batch_invariant``
+    its GEMMs run row by row (`tessera.kernels.invariant`): a row's results do not depend on the batch."""
 
     def __init__(self, graph: KernelGraph, program: Program, weights: Mapping[str, torch.Tensor],
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", batch_invariant: bool = False):
         if program.graph_hash != graph.hash:
             raise ExecutionError(f"program was built for graph {program.graph_hash}, not {graph.hash}")
         self.graph = graph
         self.program = program
         self.device = torch.device(device)
+        self.batch_invariant = batch_invariant
         self.storages: dict[str, torch.UntypedStorage] = {}
         self._static: dict[str, torch.UntypedStorage] = {}
         self._calls: dict[int, _Call] = {}
@@ -187,7 +190,7 @@ class Executor:
     def _compiled(self, index: int) -> _Call:
         call = self._calls.get(index)
         if call is None:
-            call = self._calls[index] = _Call.compile(self.graph, index, self.device)
+            call = self._calls[index] = _Call.compile(self.graph, index, self.device, self.batch_invariant)
         return call
 
     def bind_kernel(self, index: int) -> tuple[Any, list[Any], dict[str, Any]]:
@@ -276,9 +279,9 @@ class _Call:
         self.out = outs[0] if outs else None  # a single-tensor result binds the first output
 
     @classmethod
-    def compile(cls, graph: KernelGraph, index: int, device: torch.device) -> _Call:
+    def compile(cls, graph: KernelGraph, index: int, device: torch.device, batch_invariant: bool = False) -> _Call:
         k = graph.kernels[index]
-        func = resolve_op(k.op)
+        func = (batch_invariant and invariant_op(k.op)) or resolve_op(k.op)
         args = decode(k.args, _Slot.of, device)
         kwargs = {n: decode(v, _Slot.of, device) for n, v in k.kwargs.items()}
         holes: list[tuple[Any, Any, _Slot]] = []

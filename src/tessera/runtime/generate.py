@@ -77,12 +77,13 @@ def generate(runner: StepRunner, prompt_ids: list[int],
 
 
 class ReplayRunner:
-    """Runs each phase by replaying its kernel graph on one device (the reference Program)."""
+    """Runs each phase by replaying its kernel graph on one device (the reference Program); with
+    ``batch_invariant``, GEMMs row by row (see `Executor`)."""
 
     def __init__(self, graphs: Mapping[str, KernelGraph], weights: Mapping[str, torch.Tensor],
-                 state: dict[str, torch.Tensor], device: str = "cpu"):
+                 state: dict[str, torch.Tensor], device: str = "cpu", batch_invariant: bool = False):
         self.state = state
-        self.executors = {phase: Executor(g, single_device_program(g, device), weights, device)
+        self.executors = {phase: Executor(g, single_device_program(g, device), weights, device, batch_invariant)
                           for phase, g in graphs.items()}
 
     def __call__(self, phase: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -197,7 +197,7 @@ class Worker:
         shapes: dict[str, tuple] = {}
         for name, ph in phases.items():
             graph, program = ph.graph, ph.program
-            ex = Executor(graph, program, self.weights, self.device)
+            ex = Executor(graph, program, self.weights, self.device, cmd.batch_invariant)
             ops = _opcodes(program)
             by_microbatch = [[op for op in ops if op[2] == m] for m in range(program.micro_batches)]
             self.phases[name] = (graph, program, ph.transfers, ex, ops, by_microbatch)

@@ -102,9 +102,10 @@ class StepBackend(Protocol):
 
 
 class LocalBackend:
-    """Every phase replayed in this process on one device (the single-process reference)."""
+    """Every phase replayed in this process on one device (the single-process reference); with
+    ``batch_invariant``, GEMMs row by row (a row's results do not depend on the batch)."""
 
-    def __init__(self, graphs: dict[str, KernelGraph], weight_files: list[str]):
+    def __init__(self, graphs: dict[str, KernelGraph], weight_files: list[str], batch_invariant: bool = False):
         from tessera.runtime.generate import ReplayRunner
         from tessera.weights import load_graph_weights
 
@@ -117,7 +118,7 @@ class LocalBackend:
         state: dict[str, torch.Tensor] = {}
         for g in graphs.values():
             state.update(zero_state(g, [n for n in g.state if n not in state]))
-        self.runner = ReplayRunner(graphs, weights, state)
+        self.runner = ReplayRunner(graphs, weights, state, batch_invariant=batch_invariant)
         self._busy = 0.0
 
     def run(self, phase: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

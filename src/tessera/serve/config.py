@@ -19,8 +19,8 @@ class ServeOptionError(TesseraError):
 @dataclass
 class ServeConfig:
     """What to serve and how: the model, ``cpu:N`` workers, slots (rows in flight), the longest context,
-    where kernels run (a policy, optionally another for the latency plans, or a synthetic placement) and the
-    monitor's settings."""
+    where kernels run (a policy, optionally another for the latency plans, or a synthetic placement), the
+    monitor's settings and whether steps are batch-invariant (off by default: slower)."""
 
     model: str
     cluster: str = "cpu:2"
@@ -37,6 +37,7 @@ class ServeConfig:
     window_s: float = 0.3
     cooldown_s: float = 1.0
     local: bool = False  # run every step in this process (the single-process reference)
+    batch_invariant: bool = False  # GEMMs row by row: a request's outputs do not depend on the batch it is in
 
     def check(self) -> None:
         """Raise `ServeOptionError` (or the policy's own error) for an option that cannot work."""

@@ -7,7 +7,7 @@ cancelled ones (freeing their slots) and, when a monitor window is over, lets th
 objective whose step plans the next steps use: the latency plans serve the low-load bucket (at most
 ``latency_rows`` requests in flight, the rest wait), the throughput plans every slot. A prefill step writes a request's prompt but its last
 token into its KV slot (prompt padded to a bucket); decode steps run every ready request as one row
-each, at its own position and slot (rows padded to a bucket with rows of free slots); the step's sampler
+each, at its own position and slot (rows padded to a bucket with rows at a cache position no request reads); the step's sampler
 kernel picks each row's next token with the request's own temperature, top-p and per-token seed. Tokens are detokenised incrementally; stop strings
 are held back until they cannot start a stop any more. Events go to each request's callback (called on
 the engine thread): ``("token", text)``, then ``("done", finish_reason)`` or ``("error", message)``.
@@ -255,12 +255,13 @@ class Engine:
             positions.append(gen.sched.input + gen.sched.generated - 1)
             slots.append(gen.sched.slot)
             sampling.append(gen.sampling.inputs(len(gen.tokens)))
-        decoding = {r.slot for r in self.scheduler.running if r.stage == 1}
-        spare = [s for s in range(self.scheduler.slots) if s not in decoding]
-        for pad in range(step.rows - len(gens)):  # padding rows write position 0 of slots nobody decodes from
+        # padding rows write the last cache position of slot 0, which no request reads (a request's last decode
+        # step is at position max_context - 2): there need not be a free slot per padding row (the latency cap
+        # can leave more requests in flight than rows in its step)
+        for _ in range(step.rows - len(gens)):
             tokens.append(self.pad)
-            positions.append(0)
-            slots.append(spare[pad])
+            positions.append(self.max_context - 1)
+            slots.append(0)
             sampling.append(Sampling().inputs(0))
         return {"input_ids": torch.tensor(tokens)[:, None], "positions": torch.tensor(positions),
                 "slots": torch.tensor(slots), **sampling_inputs(sampling)}

@@ -113,7 +113,7 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
     if cfg.local:
         placements = ObjectivePlacements({n: [0] * len(g.kernels) for n, g in graphs.items()},
                                          {o: {n: n for n in graphs} for o in ("latency", "throughput")}, False)
-        backend = LocalBackend(graphs, files)
+        backend = LocalBackend(graphs, files, cfg.batch_invariant)
         how = "one process (reference)"
     else:
         assignments, how = plan_assignments(cfg, workers, threads, log)
@@ -122,11 +122,14 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
         pool = WorkerPool.local(workers, threads)
         try:
             phases = {name: graphs[name.split(":")[0]] for name in placements.placements}
-            runner = DistributedRunner(pool, phases, placements.placements, weights_path=files, log=log)
+            runner = DistributedRunner(pool, phases, placements.placements, weights_path=files, log=log,
+                                       batch_invariant=cfg.batch_invariant)
         except BaseException:
             pool.close()
             raise
         backend = WorkerBackend(runner)
+    if cfg.batch_invariant:
+        how += "; batch-invariant (GEMMs row by row)"
     monitor = Monitor(cfg.beta, cfg.window_s, cfg.cooldown_s,
                       enabled=placements.differ or cfg.latency_rows < cfg.slots)
     engine = Engine(backend, placements, tokenizer, cfg.slots, buckets, cfg.max_context, monitor, log,
