@@ -83,8 +83,10 @@ class WorkerPool:
 
     @classmethod
     def local(cls, workers: int, threads: int | None = None, devices: list[str] | None = None,
-              transfer_timeout_s: float = 30.0, backend: str = "gloo") -> WorkerPool:
-        """Spawn ``workers`` processes on this host with ``threads`` torch threads each (cores / workers)."""
+              transfer_timeout_s: float = 30.0, backend: str = "gloo", allow_lost: bool = False) -> WorkerPool:
+        """Spawn ``workers`` processes on this host with ``threads`` torch threads each (cores / workers).
+        ``allow_lost``: a worker lost while starting is left out (in ``lost``) as long as one starts; else it
+        raises WorkerLost."""
         if workers < 1:
             raise RuntimeSetupError(f"need at least one worker, got {workers}")
         devices = devices or ["cpu"] * workers
@@ -105,8 +107,26 @@ class WorkerPool:
             procs.append(p)
             pipes.append(mine)
         pool = cls(store, [f"{d}:{w}" if d == "cpu" else d for w, d in enumerate(devices)], procs, threads, pipes)
-        pool.call({w: Ping() for w in range(workers)}, START_TIMEOUT_S)
+        try:
+            pool.ping_alive(allow_lost)
+        except BaseException:
+            pool.close()
+            raise
         return pool
+
+    def ping_alive(self, allow_lost: bool) -> None:
+        """Wait until every live worker answers a ping; a lost one raises WorkerLost unless ``allow_lost`` (and
+        some other worker answers)."""
+        while True:
+            try:
+                self.call({w: Ping() for w in self.alive}, START_TIMEOUT_S)
+                return
+            except WorkerLost:
+                if not allow_lost:
+                    raise
+                self.drain(START_TIMEOUT_S)
+                if not self.alive:
+                    raise
 
     @classmethod
     def attach(cls, store: dist.Store, workers: int, threads: int, devices: list[str] | None = None) -> WorkerPool:
