@@ -415,9 +415,10 @@ class DistributedRunner:
         self.log(f"tessera: {lost}")
         if self.on_failure != "replan":
             raise lost
-        if self.on_lost is not None:
-            self.on_lost(lost)
         t0 = time.perf_counter()
+        survivors = [w for w in self.members if w in self.pool.alive]
+        if survivors and self.on_lost is not None:
+            self.on_lost(lost)
         self.pool.drain(timeout_s=self.step_timeout_s)
         survivors = [w for w in self.members if w in self.pool.alive]
         if not survivors:

@@ -311,6 +311,9 @@ class WorkerPool:
                     p.kill()
         for shm in self._arenas.values():
             shm.close()
+            if self.processes is not None:  # a killed worker could not unlink its arena; the others did already
+                with contextlib.suppress(Exception):
+                    shm.unlink()
         self._arenas = {}
 
     def __enter__(self) -> WorkerPool:
