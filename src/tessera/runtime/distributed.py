@@ -95,6 +95,9 @@ class DistributedRunner:
         """Install the placements on the live workers; a worker lost before or during start-up is handled as
         a loss during a step (re-planned onto the survivors under on_failure='replan', else raised)."""
         if self.pool.lost and self.on_failure == "replan":
+            lost = ", ".join(self.pool.devices[w] for w in sorted(self.pool.lost))
+            self.log(f"tessera: worker {lost} was lost while starting; re-planning onto {len(self.pool.alive)} "
+                     "surviving workers")
             placements = self.replan(len(self.pool.alive))
         while True:
             try:
