@@ -89,6 +89,9 @@ def serve(
                           beta=beta, window_s=window_ms / 1000, cooldown_s=cooldown_s, local=local,
                           on_failure=on_failure)
         cfg.check()
+        from tessera.capture.models import resolve_model
+
+        resolve_model(model)  # an unknown model fails here, not after listening
         if not 0 <= port <= 65535:
             raise ServeOptionError(f"--port must be 0..65535 (got {port})")
         if not shutdown_timeout >= 0:

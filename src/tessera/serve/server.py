@@ -86,7 +86,8 @@ def run_server(cfg: ServeConfig, sock: socket.socket, options: ServerOptions, lo
             engine, how = start_engine(cfg, log=log)
         except BaseException as e:  # noqa: BLE001 - the process exits non-zero with the message
             lifecycle.failed("the engine could not start")
-            log(f"the engine could not start: {e if isinstance(e, TesseraError) else f'{type(e).__name__}: {e}'}")
+            log(f"error: the engine could not start: "
+                f"{e if isinstance(e, TesseraError) else f'{type(e).__name__}: {e}'}")
             code[0] = 1
             server.should_exit = True
             return
