@@ -94,7 +94,10 @@ class DistributedRunner:
     def _start(self, placements: dict[str, list[int]]) -> None:
         """Install the placements on the live workers; a worker lost before or during start-up is handled as
         a loss during a step (re-planned onto the survivors under on_failure='replan', else raised)."""
-        if self.pool.lost and self.on_failure == "replan":
+        if self.pool.lost and self.on_failure != "replan":
+            w = min(self.pool.lost)
+            raise WorkerLost(w, self.pool.devices[w], "lost before the runner started", 0.0)
+        if self.pool.lost:
             lost = ", ".join(self.pool.devices[w] for w in sorted(self.pool.lost))
             self.log(f"tessera: worker {lost} was lost while starting; re-planning onto {len(self.pool.alive)} "
                      "surviving workers")

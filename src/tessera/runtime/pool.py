@@ -161,7 +161,14 @@ class WorkerPool:
         n = self.seq[w]
         self.seq[w] += 1
         if self.pipes is not None:
-            self.pipes[w].send_bytes(data)
+            try:
+                self.pipes[w].send_bytes(data)
+            except (BrokenPipeError, EOFError, OSError):  # the worker died while idle: say which, not "Broken pipe"
+                self.seq[w] -= 1
+                self.lost.add(w)
+                code = self.processes[w].exitcode if self.processes is not None else None
+                how = f"process exited with code {code}" if code is not None else "its pipe closed"
+                raise WorkerLost(w, self.devices[w], how, 0.0) from None
         else:
             self.store.set(f"cmd/{w}/{n}", data)
         return f"reply/{w}/{n}"
