@@ -281,7 +281,8 @@ class Engine:
             self.status = "failed"
             self._admitting = False
             self.log(f"engine stopped: {type(e).__name__}: {e}")
-            self._abort_all("the server lost its workers and is exiting for its supervisor to restart it")
+            what = "lost its workers" if isinstance(e, BackendLost) else "failed"
+            self._abort_all(f"the server {what} and is exiting for its supervisor to restart it")
             if self.on_fatal is not None:
                 self.on_fatal(e)
         finally:
