@@ -158,6 +158,17 @@ def test_replan_finishes_on_the_survivors_with_identical_output(fresh_pool, grap
     assert runner.members == [0, 2] and max(max(p) for p in runner.placements.values()) == 1
 
 
+def test_a_worker_lost_while_starting_is_replanned_like_one_lost_in_a_step(fresh_pool, graphs, smollm2_reference):
+    fresh_pool.kill(1)  # lost before the runner connects and loads the workers
+    fresh_pool.processes[1].join(10)
+    runner = _alternate_runner(fresh_pool, graphs, "replan")
+    assert runner.members == [0, 2] and max(max(p) for p in runner.placements.values()) == 1
+    tokens, _ = generate_batch(lambda phase, inputs: runner.step(phase, inputs)["logits"], PROMPTS, NEW)
+    assert tokens == smollm2_reference[0]
+    with pytest.raises(WorkerLost, match="cpu:1"):  # without re-planning it fails at once, naming the worker
+        _alternate_runner(fresh_pool, graphs, "fail")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Steps streamed through the pipeline (no fill and drain per step)
 

@@ -62,13 +62,19 @@ class _Recorder:
         self.backend = backend
         self.steps: list[tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
 
-    def run(self, phase, inputs):
-        outputs = self.backend.run(phase, inputs)
+    def run(self, phase, inputs, owners=()):
+        outputs = self.backend.run(phase, inputs, owners)
         self.steps.append((phase, {k: v.clone() for k, v in inputs.items()}, {k: v.clone() for k, v in outputs.items()}))
         return outputs
 
     def busy_s(self):
         return self.backend.busy_s()
+
+    def forget(self, owners):
+        self.backend.forget(owners)
+
+    def reset(self):
+        self.backend.reset()
 
     def close(self):
         self.backend.close()

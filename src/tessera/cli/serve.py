@@ -14,7 +14,7 @@ from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
 from tessera.errors import TesseraError
-from tessera.serve.config import ServeConfig, ServeOptionError
+from tessera.serve.config import MAX_BODY_BYTES, ServeConfig, ServeOptionError
 
 _SERVE = ServeConfig(model="")
 
@@ -73,54 +73,58 @@ def serve(
     batch_invariant: bool = typer.Option(_SERVE.batch_invariant, "--batch-invariant", help="GEMMs row by row, so a "
                                          "request's outputs do not depend on the requests batched with it (slower; "
                                          "off by default)."),
+    on_failure: str = typer.Option(_SERVE.on_failure, "--on-failure", help="replan | fail: after a lost worker, "
+                                   "re-plan onto the survivors and go on, or exit non-zero (for a supervisor)."),
+    shutdown_timeout: float = typer.Option(10.0, "--shutdown-timeout", help="Seconds SIGTERM / Ctrl-C waits for "
+                                           "requests in flight before ending them with an error."),
+    max_body_bytes: int = typer.Option(MAX_BODY_BYTES, "--max-body-bytes", help="Largest request body accepted "
+                                       "(413 above it)."),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
-    /health, /metrics), its kernels placed on local cpu workers."""
-    import asyncio
+    /health, /metrics), its kernels placed on local cpu workers. It listens at once (/health answers 503
+    until the engine is up); SIGTERM drains; it exits non-zero when the engine cannot go on."""
+    from tessera.serve.server import ServerOptions, run_server
 
-    import uvicorn
-
-    from tessera.serve.api import create_app
-    from tessera.serve.launch import start_engine
-
-    say = lambda text: _err.print(f"[dim]{text}[/]")  # noqa: E731
-    engine = sock = None
+    say = lambda text: _err.print(f"[dim]{text}[/]", highlight=False)  # noqa: E731
     try:
         cfg = ServeConfig(model, cluster, slots=slots, max_context=max_context, policy=policy,
                           latency_policy=latency_policy, placement=placement, seed=seed, threads=threads,
                           beta=beta, window_s=window_ms / 1000, cooldown_s=cooldown_s, local=local,
-                          batch_invariant=batch_invariant)
+                          batch_invariant=batch_invariant, on_failure=on_failure)
         cfg.check()
+        from tessera.capture.models import resolve_model
+
+        resolve_model(model)  # an unknown model fails here, not after listening
         if not 0 <= port <= 65535:
             raise ServeOptionError(f"--port must be 0..65535 (got {port})")
+        if not shutdown_timeout >= 0:
+            raise ServeOptionError(f"--shutdown-timeout must be 0 or more seconds (got {shutdown_timeout})")
+        if max_body_bytes < 1024:
+            raise ServeOptionError(f"--max-body-bytes must be at least 1024 (got {max_body_bytes})")
         sock = _listen(host, port)
-        engine, how = start_engine(cfg, log=say)
-        say(f"placement: {how}")
     except TesseraError as e:
-        if sock is not None:
-            sock.close()
         _fail(e)
-    app = create_app(engine, model, api_key)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    if api_key is None and not _loopback(sock):
+        _err.print(f"[yellow]warning:[/] listening on {host}, reachable from other machines, without an API key: "
+                   "anyone who can reach it can use it; give --api-key (or TESSERA_API_KEY)", highlight=False)
     url = _url(sock)
+    say(f"listening at {url} (/health answers 503 until the engine is up)")
 
-    async def run() -> None:
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not task.done():
-            await asyncio.sleep(0.05)
-        if server.started:
-            _err.print(f"serving {model} at {url}/v1 ({slots} slots, context {max_context}"
-                       f"{', API key required' if api_key else ''}); Ctrl-C stops", markup=False, highlight=False)
-        await task
+    def announce(how: str) -> None:
+        say(f"placement: {how}")
+        _err.print(f"serving {model} at {url}/v1 ({slots} slots, context {max_context}"
+                   f"{', API key required' if api_key else ''}); Ctrl-C stops", markup=False, highlight=False)
 
-    try:
-        asyncio.run(run())
-    except KeyboardInterrupt:
-        pass
-    finally:
-        say("stopping the engine")
-        engine.stop()
-        sock.close()
+    code = run_server(cfg, sock, ServerOptions(model, api_key, max_body_bytes, shutdown_timeout), say, announce)
+    if code:
+        raise typer.Exit(code)
+
+
+def _loopback(sock: socket.socket) -> bool:
+    """Whether the socket listens on a loopback address only."""
+    import ipaddress
+
+    return ipaddress.ip_address(sock.getsockname()[0].split("%")[0]).is_loopback
 
 
 def _s(t: float | None) -> str:

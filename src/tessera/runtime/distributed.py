@@ -85,10 +85,38 @@ class DistributedRunner:
         self.log = log or (lambda text: print(text, file=sys.stderr))
         self.history: list[tuple] = []
         self.recoveries: list[Recovery] = []
+        self.on_lost: Callable[[WorkerLost], None] | None = None  # told when a lost worker is noticed
+        self.on_recovered: Callable[[Recovery], None] | None = None  # told when the re-plan is done
         self.last_timing: StepTiming | None = None
         self.moved_bytes = 0  # state moved between workers so far (explicit moves)
         self._row_counts: dict[str, int] = {}
-        self._install(placements, pool.alive)
+        self._start(placements)
+
+    def _start(self, placements: dict[str, list[int]]) -> None:
+        """Install the placements on the live workers; a worker lost before or during start-up is handled as
+        a loss during a step (re-planned onto the survivors under on_failure='replan', else raised)."""
+        if self.pool.lost and self.on_failure != "replan":
+            w = min(self.pool.lost)
+            raise WorkerLost(w, self.pool.devices[w], "lost before the runner started", 0.0)
+        if self.pool.lost:
+            lost = ", ".join(self.pool.devices[w] for w in sorted(self.pool.lost))
+            self.log(f"tessera: worker {lost} was lost while starting; re-planning onto {len(self.pool.alive)} "
+                     "surviving workers")
+            placements = self.replan(len(self.pool.alive))
+        while True:
+            try:
+                self._install(placements, self.pool.alive)
+                return
+            except WorkerLost as lost:
+                self.log(f"tessera: {lost} (while starting)")
+                if self.on_failure != "replan":
+                    raise
+                self.pool.drain(timeout_s=self.step_timeout_s)
+                if not self.pool.alive:
+                    raise
+                placements = self.replan(len(self.pool.alive))
+                self.recoveries.append(Recovery(lost.device, lost.how, lost.seconds,
+                                                [self.pool.devices[w] for w in self.pool.alive], 0, 0.0))
 
     # ------------------------------------------------------------------------------------------------
     def _install(self, placements: dict[str, list[int]], members: list[int]) -> None:
@@ -195,10 +223,12 @@ class DistributedRunner:
                 return self._rows(g.state[0])
         return 1
 
-    def step(self, phase: str, inputs: dict[str, torch.Tensor], trace: bool = False) -> dict[str, torch.Tensor]:
+    def step(self, phase: str, inputs: dict[str, torch.Tensor], trace: bool = False,
+             owners: set[str] | None = None) -> dict[str, torch.Tensor]:
         """Run ``phase`` on a batch of rows: row r belongs to state instance r // slots_per_instance (its
         ``slots`` input is the local slot); rows are cut into the graph's batch, M chunks per step. Returns the
-        outputs concatenated in row order."""
+        outputs concatenated in row order. ``owners``: the requests whose state the step writes; once every
+        one of them is forgotten (:meth:`forget`) the step is no longer replayed after a lost worker."""
         graph = self._graph(phase)
         chunks = _split_rows(graph, inputs)
         m = self.micro_batches[phase]
@@ -210,18 +240,19 @@ class DistributedRunner:
                                     f"over {self.state_instances} state instances of {per} slots")
         outs: list[dict[str, torch.Tensor]] = []
         for first in range(0, len(chunks), m):
-            outs += self.step_chunks(phase, chunks[first: first + m], instances[first: first + m], trace)
+            outs += self.step_chunks(phase, chunks[first: first + m], instances[first: first + m], trace,
+                                     None if owners is None else set(owners))
         if len(outs) == 1:
             return outs[0]
         return {name: torch.cat([o[name] for o in outs]) for name in outs[0]}
 
     def step_chunks(self, phase: str, chunks: list[dict[str, torch.Tensor]], instances: list[int],
-                    trace: bool = False) -> list[dict[str, torch.Tensor]]:
+                    trace: bool = False, owners: set[str] | None = None) -> list[dict[str, torch.Tensor]]:
         """One step of ``phase``: micro-batch i runs ``chunks[i]`` on state instance ``instances[i]``."""
         if len(chunks) != self.micro_batches[phase] or len(instances) != len(chunks):
             raise RuntimeInputError(f"{phase} runs {self.micro_batches[phase]} micro-batches per step, "
                                     f"got {len(chunks)} chunks for {len(instances)} state instances")
-        self._record(("step", phase, chunks, instances))
+        self._record(("step", phase, chunks, instances, owners))
         return self._run_guarded(lambda: self._step(phase, chunks, instances, trace))
 
     def _step(self, phase: str, chunks, instances: list[int], trace: bool) -> list[dict[str, torch.Tensor]]:
@@ -326,6 +357,37 @@ class DistributedRunner:
         return results
 
     # ------------------------------------------------------------------------------------------------
+    def forget(self, owners) -> None:
+        """The requests ``owners`` are over: steps that wrote only their state are not replayed any more (so
+        a recovery replays the steps of the requests still in flight, however long the runner has run)."""
+        gone = set(owners)
+        kept = []
+        for entry in self.history:
+            if entry[0] == "step" and entry[4] is not None:
+                entry[4].difference_update(gone)
+                if not entry[4]:
+                    continue
+            kept.append(entry)
+        self.history = kept
+
+    def rebuild(self) -> None:
+        """Reconnect and reload the same workers and replay the history (after a step failed on a worker,
+        which can leave the process group's transfers mismatched)."""
+        self.pool.drain(timeout_s=self.step_timeout_s)
+        self._install(self.placements, [w for w in self.members if w in self.pool.alive])
+        self._replay(self.history)
+
+    def _replay(self, entries: list[tuple]) -> None:
+        self._replaying = True
+        try:
+            for entry in entries:
+                if entry[0] == "set_state":
+                    self._set_state(entry[1])
+                else:
+                    self._step(entry[1], entry[2], entry[3], False)
+        finally:
+            self._replaying = False
+
     def _record(self, entry: tuple) -> None:
         if not getattr(self, "_replaying", False):
             self.history.append(entry)
@@ -361,6 +423,9 @@ class DistributedRunner:
         if self.on_failure != "replan":
             raise lost
         t0 = time.perf_counter()
+        survivors = [w for w in self.members if w in self.pool.alive]
+        if survivors and self.on_lost is not None:
+            self.on_lost(lost)
         self.pool.drain(timeout_s=self.step_timeout_s)
         survivors = [w for w in self.members if w in self.pool.alive]
         if not survivors:
@@ -369,18 +434,12 @@ class DistributedRunner:
                  f"({', '.join(self.pool.devices[w] for w in survivors)}) and replaying {len(self.history) - 1} "
                  "earlier steps")
         self._install(self.replan(len(survivors)), survivors)
-        self._replaying = True
-        try:
-            for entry in self.history[:-1]:
-                if entry[0] == "set_state":
-                    self._set_state(entry[1])
-                else:
-                    self._step(entry[1], entry[2], entry[3], False)
-        finally:
-            self._replaying = False
-        self.recoveries.append(Recovery(lost.device, lost.how, lost.seconds,
-                                        [self.pool.devices[w] for w in survivors], len(self.history) - 1,
-                                        time.perf_counter() - t0))
+        self._replay(self.history[:-1])
+        recovery = Recovery(lost.device, lost.how, lost.seconds, [self.pool.devices[w] for w in survivors],
+                            len(self.history) - 1, time.perf_counter() - t0)
+        self.recoveries.append(recovery)
+        if self.on_recovered is not None:
+            self.on_recovered(recovery)
 
     def close(self) -> None:
         self.pool.close()

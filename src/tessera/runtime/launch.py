@@ -101,8 +101,8 @@ def start_run(config: RunConfig, prompt: str, say: Callable[[str], None], log: C
     chosen = _placement(config, graphs, workers, threads, say)
     say(f"placement: {chosen.how}")
     say(f"starting {workers} workers ({threads} thread{'s' if threads != 1 else ''} each)")
-    pool = attach_torchrun(workers, threads, config.interface) if torchrun_driver else WorkerPool.local(workers, threads,
-                                                                                       backend=config.backend)
+    pool = attach_torchrun(workers, threads, config.interface) if torchrun_driver else WorkerPool.local(
+        workers, threads, backend=config.backend, allow_lost=config.on_failure == "replan")
     try:
         runner = DistributedRunner(pool, graphs, chosen.placements, chosen.micro_batches, weights_path=files,
                                    on_failure=config.on_failure, replan=chosen.replan, log=log)

@@ -84,8 +84,10 @@ class WorkerPool:
 
     @classmethod
     def local(cls, workers: int, threads: int | None = None, devices: list[str] | None = None,
-              transfer_timeout_s: float = 30.0, backend: str = "gloo") -> WorkerPool:
-        """Spawn ``workers`` processes on this host with ``threads`` torch threads each (cores / workers)."""
+              transfer_timeout_s: float = 30.0, backend: str = "gloo", allow_lost: bool = False) -> WorkerPool:
+        """Spawn ``workers`` processes on this host with ``threads`` torch threads each (cores / workers).
+        ``allow_lost``: a worker lost while starting is left out (in ``lost``) as long as one starts; else it
+        raises WorkerLost."""
         if workers < 1:
             raise RuntimeSetupError(f"need at least one worker, got {workers}")
         devices = devices or ["cpu"] * workers
@@ -115,11 +117,25 @@ class WorkerPool:
         pool = cls(plane.store, [f"{d}:{w}" if d == "cpu" else d for w, d in enumerate(devices)], procs, threads,
                    pipes, plane)
         try:
-            pool.call({w: Ping() for w in range(workers)}, START_TIMEOUT_S)
+            pool.ping_alive(allow_lost)
         except BaseException:
             pool.close()
             raise
         return pool
+
+    def ping_alive(self, allow_lost: bool) -> None:
+        """Wait until every live worker answers a ping; a lost one raises WorkerLost unless ``allow_lost`` (and
+        some other worker answers)."""
+        while True:
+            try:
+                self.call({w: Ping() for w in self.alive}, START_TIMEOUT_S)
+                return
+            except WorkerLost:
+                if not allow_lost:
+                    raise
+                self.drain(START_TIMEOUT_S)
+                if not self.alive:
+                    raise
 
     @classmethod
     def attach(cls, store: dist.Store, workers: int, threads: int, devices: list[str] | None = None,
@@ -158,7 +174,14 @@ class WorkerPool:
         n = self.seq[w]
         self.seq[w] += 1
         if self.pipes is not None:
-            self.pipes[w].send_bytes(data)
+            try:
+                self.pipes[w].send_bytes(data)
+            except (BrokenPipeError, EOFError, OSError):  # the worker died while idle: say which, not "Broken pipe"
+                self.seq[w] -= 1
+                self.lost.add(w)
+                code = self.processes[w].exitcode if self.processes is not None else None
+                how = f"process exited with code {code}" if code is not None else "its pipe closed"
+                raise WorkerLost(w, self.devices[w], how, 0.0) from None
         else:
             self.store.set(f"cmd/{w}/{n}", data)
         return f"reply/{w}/{n}"
@@ -308,6 +331,9 @@ class WorkerPool:
                     p.kill()
         for shm in self._arenas.values():
             shm.close()
+            if self.processes is not None:  # a killed worker could not unlink its arena; the others did already
+                with contextlib.suppress(Exception):
+                    shm.unlink()
         self._arenas = {}
         if self.plane is not None:
             self.plane.close()

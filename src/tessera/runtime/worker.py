@@ -12,6 +12,7 @@ heartbeat key (``hb/<worker>``) tells the driver the worker is alive.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 import traceback
@@ -370,7 +371,10 @@ def _files_identity(paths: str | list[str] | None) -> tuple | None:
 
 def _heartbeat(cfg: WorkerConfig, store: dist.Store, stop: threading.Event) -> None:
     while not stop.is_set():
-        store.set(f"hb/{cfg.worker}", repr(time.time()))
+        try:
+            store.set(f"hb/{cfg.worker}", repr(time.time()))
+        except Exception:  # noqa: BLE001 - the driver's store is gone: the worker loop notices and leaves
+            return
         stop.wait(HEARTBEAT_S)
 
 
@@ -436,6 +440,10 @@ def worker_main(cfg: WorkerConfig, store: dist.Store | None = None, conn=None) -
     ``store``: the coordination store (torchrun's ranks), else the driver's plane ``cfg.plane``; ``conn``:
     a pipe to a local driver for commands and replies (else they go through the store, with heartbeats)."""
     torch.set_num_threads(cfg.threads)
+    if cfg.parent_pid is not None:  # a local worker stops when its driver says or is gone, not on the
+        # terminal's Ctrl-C or a supervisor's SIGTERM to the process group (the driver drains first)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if store is None:
         if cfg.plane is None:
             raise ValueError(f"worker {cfg.worker}: no coordination store and no plane to join")
@@ -466,7 +474,10 @@ def worker_main(cfg: WorkerConfig, store: dist.Store | None = None, conn=None) -
                 data = encode(reply)
             except Exception as e:  # noqa: BLE001 - a reply that cannot travel (e.g. not picklable)
                 data = encode(_failure(e))
-            commands.reply(data)
+            try:
+                commands.reply(data)
+            except (BrokenPipeError, ConnectionError, EOFError, OSError):  # the driver is gone: nobody to answer
+                return
             idle_since = time.monotonic()
             if isinstance(cmd, Stop):
                 return

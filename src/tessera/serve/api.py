@@ -4,9 +4,11 @@
 ``/health`` and ``/metrics`` (Prometheus text, from ``serve.metrics``). What a request means is
 ``serve.serving.OpenAIServing``'s business; this module maps HTTP onto it. Errors are OpenAI error
 objects (``serve.protocol.APIError``): 400 for a bad request (malformed JSON and schema errors included),
-401 for a missing or wrong API key, 404 for a model this server does not serve or an unknown path. A
-client that goes away has its request cancelled: a stream when it is closed, a whole response when its
-connection drops.
+401 for a missing or wrong API key, 404 for a model this server does not serve or an unknown path, 413 for
+a body over the limit (refused from its Content-Length, or as soon as a chunked body passes the limit,
+before the rest is read), 503 while the server is not serving (starting, recovering from a lost worker,
+draining, failed: see ``serve.lifecycle``). A client that goes away has its request cancelled: a stream
+when it is closed, a whole response when its connection drops.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tessera.serve.config import MAX_BODY_BYTES
 from tessera.serve.engine import Engine
+from tessera.serve.lifecycle import Lifecycle
 from tessera.serve.metrics import CONTENT_TYPE, PrometheusMetrics
 from tessera.serve.protocol import APIError, ChatRequest, CompletionRequest, invalid_request
 from tessera.serve.serving import EventStream, OpenAIServing
@@ -28,23 +32,45 @@ from tessera.serve.serving import EventStream, OpenAIServing
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> FastAPI:
-    """The HTTP app serving ``engine`` as model ``model_id``; with ``api_key``, every /v1 request needs
-    ``Authorization: Bearer <api_key>``."""
+def create_app(target: Engine | Lifecycle, model_id: str, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The HTTP app serving a running engine (or the engine a lifecycle starts) as model ``model_id``; with
+    ``api_key``, every /v1 request needs ``Authorization: Bearer <api_key>``; bodies over ``max_body_bytes``
+    get 413."""
+    lifecycle = Lifecycle.of(target)
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
     if api_key is not None:
         app.add_middleware(_APIKey, key=api_key)
-    _add_routes(app, OpenAIServing(engine, model_id), PrometheusMetrics(engine))
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)  # outermost: before the key check reads anything
+    _add_routes(app, _Current(lifecycle, model_id), PrometheusMetrics(lifecycle))
     return app
 
 
-def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: PrometheusMetrics) -> None:
+class _Current:
+    """The serving layer over the lifecycle's engine, once it runs (503 before)."""
+
+    def __init__(self, lifecycle: Lifecycle, model_id: str):
+        self.lifecycle, self.model_id = lifecycle, model_id
+        self._serving: OpenAIServing | None = None
+
+    def __call__(self) -> OpenAIServing:
+        engine = self.lifecycle.engine
+        if engine is None:
+            _, body = self.lifecycle.health()
+            raise APIError(503, f"the server is not serving yet ({body['status']}: {body['detail']}); retry "
+                                "shortly", "server_error", code="not_ready")
+        if self._serving is None or self._serving.engine is not engine:
+            self._serving = OpenAIServing(engine, self.model_id)
+        return self._serving
+
+
+def _add_routes(app: FastAPI, serving: _Current, metrics: PrometheusMetrics) -> None:
     """Register every endpoint on ``app``."""
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        status, body = serving.health()
+        status, body = serving.lifecycle.health()
         return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
@@ -53,19 +79,19 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: PrometheusMetrics
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return serving.model_list()
+        return serving().model_list()
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
-        return serving.retrieve_model(model)
+        return serving().retrieve_model(model)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return _response(await serving.create_completion(body, request.is_disconnected))
+        return _response(await serving().create_completion(body, request.is_disconnected))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
-        return _response(await serving.create_chat_completion(body, request.is_disconnected))
+        return _response(await serving().create_chat_completion(body, request.is_disconnected))
 
 
 def _response(result: dict[str, Any] | EventStream | None) -> Response:
@@ -98,6 +124,58 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error(APIError(exc.status_code, str(exc.detail), type_))
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is answered 413 without reading the rest (a
+    declared Content-Length at once; a chunked body as soon as it passes the limit)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def _refuse(self, scope, receive, send, size: str) -> None:
+        err = APIError(413, f"the request body is {size}, over this server's limit of {self.limit} bytes "
+                            "(--max-body-bytes): shorten the prompt", code="request_too_large")
+        response = _error(err)
+        response.headers["Connection"] = "close"
+        await response(scope, receive, send)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
+        if length is not None:
+            if not length.isdigit():
+                await _error(APIError(400, "the Content-Length header is not a number"))(scope, receive, send)
+            elif int(length) > self.limit:
+                await self._refuse(scope, receive, send, f"{int(length)} bytes")
+            else:
+                await self.app(scope, receive, send)
+            return
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        body, more = bytearray(), True  # chunked: read up to the limit, then hand the body on
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.limit:
+                await self._refuse(scope, receive, send, f"more than {self.limit} bytes")
+                return
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 class _APIKey:

@@ -90,11 +90,27 @@ def objective_placements(graphs: dict[str, KernelGraph], assignments: dict[str, 
     return ObjectivePlacements(placements, phases, differ)
 
 
+class BackendLost(TesseraError):
+    """The backend cannot run steps any more (its last worker is lost, or a lost worker is not re-planned
+    under ``--on-failure fail``): the server must exit so that its supervisor restarts it."""
+
+
+Watcher = Callable[[str, str], None]  # ("recovering" | "recovered", what happened)
+
+
 class StepBackend(Protocol):
     """Runs one runtime phase on inputs and returns its outputs: the sampled ``tokens`` [rows] and the
-    ``logits`` [rows, 1, vocab] they were sampled from."""
+    ``logits`` [rows, 1, vocab] they were sampled from. ``owners`` are the requests whose state the step
+    writes; ``forget`` says they are over. A failed step raises; BackendLost when nothing can run any more."""
 
-    def run(self, phase: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+    def run(self, phase: str, inputs: dict[str, torch.Tensor], owners: tuple[str, ...] = ()
+            ) -> dict[str, torch.Tensor]: ...
+
+    def forget(self, owners: list[str]) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def watch(self, watcher: Watcher) -> None: ...
 
     def busy_s(self) -> dict[str, float]: ...
 
@@ -121,11 +137,21 @@ class LocalBackend:
         self.runner = ReplayRunner(graphs, weights, state, batch_invariant=batch_invariant)
         self._busy = 0.0
 
-    def run(self, phase: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def run(self, phase: str, inputs: dict[str, torch.Tensor], owners: tuple[str, ...] = ()
+            ) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
         out = self.runner(phase.split(":")[0], inputs)
         self._busy += time.perf_counter() - t0
         return out
+
+    def forget(self, owners: list[str]) -> None:
+        """Nothing to forget: this process holds the state itself."""
+
+    def reset(self) -> None:
+        """Nothing to reset: a failed step leaves no transfers behind."""
+
+    def watch(self, watcher: Watcher) -> None:
+        """Nothing to watch: no worker can be lost."""
 
     def busy_s(self) -> dict[str, float]:
         return {"cpu": self._busy}
@@ -141,13 +167,41 @@ class WorkerBackend:
         self.runner = runner
         self._busy: dict[str, float] = {}
 
-    def run(self, phase: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = self.runner.step(phase, inputs)
+    def run(self, phase: str, inputs: dict[str, torch.Tensor], owners: tuple[str, ...] = ()
+            ) -> dict[str, torch.Tensor]:
+        from tessera.runtime.pool import WorkerLost
+
+        try:
+            out = self.runner.step(phase, inputs, owners=set(owners))
+        except WorkerLost as lost:  # not re-planned (--on-failure fail), or no worker left
+            alive = len(self.runner.pool.alive)
+            raise BackendLost(f"{lost}; {alive} worker{'s' if alive != 1 else ''} left"
+                              + ("" if alive else ", nothing to re-plan onto")) from None
         timing = self.runner.last_timing
         if timing is not None:
             for device, seconds in zip(timing.workers, timing.compute_s, strict=False):
                 self._busy[device] = self._busy.get(device, 0.0) + seconds
         return out
+
+    def forget(self, owners: list[str]) -> None:
+        """Steps of finished requests are not replayed after a lost worker."""
+        self.runner.forget(owners)
+
+    def reset(self) -> None:
+        """Reconnect the workers after a failed step and rebuild their state from the steps still needed."""
+        from tessera.runtime.pool import WorkerLost
+
+        try:
+            self.runner.rebuild()
+        except WorkerLost as lost:
+            raise BackendLost(str(lost)) from None
+
+    def watch(self, watcher: Watcher) -> None:
+        """Tell ``watcher`` when a lost worker is noticed and when the re-plan onto the survivors is done."""
+        self.runner.on_lost = lambda lost: watcher("recovering", str(lost))
+        self.runner.on_recovered = lambda r: watcher(
+            "recovered", f"lost {r.device} ({r.how}); re-planned onto {', '.join(r.survivors)}, replayed "
+                         f"{r.replayed_steps} steps in {r.seconds:.2f} s")
 
     def busy_s(self) -> dict[str, float]:
         return dict(self._busy)

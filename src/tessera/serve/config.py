@@ -11,6 +11,8 @@ from tessera.errors import TesseraError
 from tessera.limits import BATCH_ROWS, THREADS, TOKENS
 from tessera.plan.config import LATENCY_BUCKET, check_policy
 
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt of the contexts served, little for the event loop
+
 
 class ServeOptionError(TesseraError):
     """A `tessera serve` option that cannot work."""
@@ -38,6 +40,7 @@ class ServeConfig:
     cooldown_s: float = 1.0
     local: bool = False  # run every step in this process (the single-process reference)
     batch_invariant: bool = False  # GEMMs row by row: a request's outputs do not depend on the batch it is in
+    on_failure: str = "replan"  # a lost worker: re-plan onto the survivors and go on, or fail (exit non-zero)
 
     def check(self) -> None:
         """Raise `ServeOptionError` (or the policy's own error) for an option that cannot work."""
@@ -67,6 +70,8 @@ class ServeConfig:
             raise ServeOptionError(f"--window-ms must be positive (got {self.window_s * 1000:g})")
         if self.cooldown_s < 0:
             raise ServeOptionError(f"--cooldown-s must be 0 or more (got {self.cooldown_s})")
+        if self.on_failure not in ("replan", "fail"):
+            raise ServeOptionError(f"--on-failure must be replan or fail (got {self.on_failure!r})")
         check_policy(self.policy)
         if self.latency_policy is not None:
             check_policy(self.latency_policy)

@@ -10,7 +10,15 @@ token into its KV slot (prompt padded to a bucket); decode steps run every ready
 each, at its own position and slot (rows padded to a bucket with rows at a cache position no request reads); the step's sampler
 kernel picks each row's next token with the request's own temperature, top-p and per-token seed. Tokens are detokenised incrementally; stop strings
 are held back until they cannot start a stop any more. Events go to each request's callback (called on
-the engine thread): ``("token", text)``, then ``("done", finish_reason)`` or ``("error", message)``.
+the engine thread): ``("token", text)``, then ``("done", finish_reason)`` or ``("error", message)`` (a
+``ServerFault`` message when the server, not the request, is at fault).
+
+No one request can stop the engine: a step that fails fails the requests it ran (the backend is reset) and
+the others go on. A lost worker is re-planned by the backend onto the survivors, which replays the steps of
+the requests in flight (the engine forgets finished requests, so that replay stays bounded), while
+``status`` says ``recovering``; when the backend cannot go on (``BackendLost``) every request gets an
+error, ``error`` is set and ``on_fatal`` is called so the server can exit for its supervisor to restart
+it. ``close_admission`` and ``abort`` let a server drain on shutdown.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import torch
 from tessera.errors import TesseraError
 from tessera.runtime.generate import Sampling, sampling_inputs
 from tessera.sched.scheduler import Buckets, Request, ScheduledStep, Scheduler, stages_for
-from tessera.serve.backend import ObjectivePlacements, StepBackend, phase_name
+from tessera.serve.backend import BackendLost, ObjectivePlacements, StepBackend, phase_name
 from tessera.serve.detokenize import IncrementalDetokenizer
 from tessera.serve.monitor import Monitor
 
@@ -38,6 +46,15 @@ EventSink = Callable[[str, Any], None]
 
 class RequestError(TesseraError, ValueError):
     """A request the engine cannot serve (empty or too long a prompt, bad sampling options)."""
+
+
+class EngineUnavailable(TesseraError):
+    """The engine takes no new requests (it is draining for shutdown, or it has failed)."""
+
+
+class ServerFault(str):
+    """The message of a request that failed through no fault of its own (a failed step, a lost backend, a
+    shutdown): the server's error, not the client's."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +121,9 @@ class EngineStats:
     tokens: int = 0
     completed: int = 0
     steps: int = 0
+    failed: int = 0  # requests ended by a server-side failure (failed step, lost backend, shutdown)
+    failed_steps: int = 0
+    recoveries: int = 0  # lost workers re-planned onto the survivors
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))  # seconds to a request's first token
     tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))  # seconds per later token, per request
     step_s: dict[str, float] = field(default_factory=dict)  # seconds in steps, per objective
@@ -138,7 +158,24 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._count = 0
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # what stopped the engine for good (the backend is lost)
+        self.status = "ready"  # ready | recovering | draining | failed | stopped
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self._admitting = True
+        self._abort: str | None = None  # end every request with this message (shutdown after draining)
+        watch = getattr(backend, "watch", None)
+        if watch is not None:
+            watch(self._backend_event)
+
+    def _backend_event(self, kind: str, detail: str) -> None:
+        """The backend lost a worker ("recovering") or finished re-planning onto the survivors ("recovered")."""
+        if kind == "recovering":
+            self.status = "recovering"
+            self.log(f"worker lost while serving, recovering: {detail}")
+        else:
+            self.stats.recoveries += 1
+            self.status = "draining" if not self._admitting else "ready"
+            self.log(f"recovered: {detail}")
 
     # -------------------------------------------------------------------------------------------------
     def start(self) -> Engine:
@@ -149,14 +186,40 @@ class Engine:
 
     def stop(self) -> None:
         """Stop the engine thread (requests still queued get an error) and close the backend."""
+        if self.error is None:
+            self.status = "stopped"
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.backend.close()
 
+    def close_admission(self) -> None:
+        """Take no new requests (submit raises EngineUnavailable); those admitted go on."""
+        self._admitting = False
+        if self.status == "ready":
+            self.status = "draining"
+
+    def abort(self, message: str) -> None:
+        """End every request queued or in flight with ``message`` (a ServerFault) before the next step."""
+        self._abort = message
+        self._wake.set()
+
+    def idle(self) -> bool:
+        """Whether no request is queued or in flight."""
+        return self._incoming.empty() and not self._by_request and not self.scheduler.waiting
+
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
     def submit(self, prompt_ids: list[int], params: GenerationParams, sink: EventSink) -> Generation:
-        """Queue a request; errors in it raise RequestError at once."""
+        """Queue a request; errors in it raise RequestError at once, EngineUnavailable when the engine takes no
+        requests."""
+        if self.error is not None or not self._admitting or self._stop.is_set():
+            raise EngineUnavailable("the server is shutting down" if self.error is None else
+                                    "the engine has failed; the server is exiting for its supervisor to restart it")
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         if params.max_tokens < 1:
@@ -202,6 +265,8 @@ class Engine:
         try:
             while not self._stop.is_set():
                 self._admit()
+                if self._abort is not None:
+                    self._abort_all(self._abort)
                 now = self.clock()
                 if self.monitor.due(now):
                     self._close_window(now)
@@ -211,14 +276,27 @@ class Engine:
                     self._wake.clear()
                     continue
                 self._run_step(step)
-        except BaseException as e:  # the engine is gone: tell every request, keep the error for /health
+        except BaseException as e:  # noqa: BLE001 - the backend is gone: tell every request, then the server
             self.error = e
+            self.status = "failed"
+            self._admitting = False
             self.log(f"engine stopped: {type(e).__name__}: {e}")
-            for gen in list(self._by_request.values()):
-                self._emit(gen, "error", f"the engine failed: {e}")
+            what = "lost its workers" if isinstance(e, BackendLost) else "failed"
+            self._abort_all(f"the server {what} and is exiting for its supervisor to restart it")
+            if self.on_fatal is not None:
+                self.on_fatal(e)
         finally:
-            while not self._incoming.empty():
-                self._emit(self._incoming.get(), "error", "the server is shutting down")
+            self._abort_all("the server is shutting down")
+
+    def _abort_all(self, message: str) -> None:
+        """End every queued and running request with ``message`` as a server fault."""
+        now = self.clock()
+        while not self._incoming.empty():
+            gen = self._incoming.get()
+            self.stats.failed += 1
+            self._emit(gen, "error", ServerFault(message))
+        for gen in list(self._by_request.values()):
+            self._fail(gen, message, now)
 
     def _admit(self) -> None:
         while not self._incoming.empty():
@@ -267,10 +345,16 @@ class Engine:
                 "slots": torch.tensor(slots), **sampling_inputs(sampling)}
 
     def _run_step(self, step: ScheduledStep) -> None:
-        inputs = self._inputs(step)
-        phase = self._phase(step)
+        gens = [self._by_request[id(r)] for r in step.requests]
         t0 = self.clock()
-        tokens = self.backend.run(phase, inputs)["tokens"].tolist()
+        try:
+            inputs = self._inputs(step)
+            tokens = self.backend.run(self._phase(step), inputs, tuple(g.id for g in gens))["tokens"].tolist()
+        except BackendLost:
+            raise
+        except Exception as e:  # noqa: BLE001 - this step's requests fail; the others go on
+            self._step_failed(step, gens, e)
+            return
         t1 = self.clock()
         self.stats.steps += 1
         objective = self.monitor.objective
@@ -279,20 +363,49 @@ class Engine:
             self.stats.tokens_by[objective] = self.stats.tokens_by.get(objective, 0) + len(step.requests)
         stopped: list[tuple[Generation, str]] = []
         if step.phase == "decode":
-            for row, req in enumerate(step.requests):
-                gen = self._by_request[id(req)]
-                token = tokens[row]
-                reason = self._take(gen, token)
+            for row, gen in enumerate(gens):
+                try:
+                    reason = self._take(gen, tokens[row])
+                except Exception as e:  # noqa: BLE001 - e.g. a token the detokenizer cannot take: this request fails
+                    self.log(f"request {gen.id} failed: {type(e).__name__}: {e}")
+                    self._fail(gen, f"the server failed on this request ({type(e).__name__})", t1)
+                    continue
                 if reason is not None:
                     stopped.append((gen, reason))
         ended = {id(gen): reason for gen, reason in stopped}
         for req in self.scheduler.complete(step, t0, t1):  # reached max_tokens (or EOS on the last one)
             gen = self._by_request.get(id(req))
-            if gen is not None:
+            if gen is not None and gen.finish_reason is None:
                 self._done(gen, ended.get(id(gen), "length"), t1)
         for gen, reason in stopped:
             if gen.finish_reason is None:
                 self._finish(gen, reason, t1)
+
+    def _step_failed(self, step: ScheduledStep, gens: list[Generation], error: Exception) -> None:
+        """A step failed: its requests fail with a server error, the backend is reset for the others."""
+        self.stats.failed_steps += 1
+        self.log(f"a {step.phase} step of {len(gens)} request(s) failed: {type(error).__name__}: {error}")
+        now = self.clock()
+        for gen in gens:
+            self._fail(gen, f"the {step.phase} step serving this request failed ({type(error).__name__}); "
+                            "other requests go on", now)
+        self.backend.reset()
+
+    def _fail(self, gen: Generation, message: str, now: float) -> None:
+        """End a request with a server-side error."""
+        if gen.finish_reason is not None:
+            return
+        gen.finish_reason = "error"
+        self.stats.failed += 1
+        if gen.sched.finish_s is None:
+            self.scheduler.finish(gen.sched, now)
+        self._forget(gen)
+        self._emit(gen, "error", ServerFault(message))
+
+    def _forget(self, gen: Generation) -> None:
+        self._by_request.pop(id(gen.sched), None)
+        self._finished_in_window.append(gen.sched)
+        self.backend.forget([gen.id])
 
     def _take(self, gen: Generation, token: int) -> str | None:
         """Account a new token; returns "stop" when it ends the request (EOS or a stop string)."""
@@ -339,8 +452,7 @@ class Engine:
 
     def _done(self, gen: Generation, reason: str, now: float) -> None:
         gen.finish_reason = reason
-        self._by_request.pop(id(gen.sched), None)
-        self._finished_in_window.append(gen.sched)
+        self._forget(gen)
         if reason != "cancelled":
             self._complete_text(gen)
             self._flush(gen, final=True)

@@ -86,6 +86,23 @@ def plan_assignments(cfg: ServeConfig, workers: int, threads: int, log: Callable
     return {"latency": latency, "throughput": through}, how
 
 
+def replanner(cfg: ServeConfig, threads: int, phases: list[str], log: Callable[[str], None]
+              ) -> Callable[[int], dict[str, list[int]]]:
+    """The placements of these runtime phases on ``n`` workers (after a lost one): each objective planned
+    again as at start-up, a shared phase taking the throughput plan's placement."""
+
+    def replan(n: int) -> dict[str, list[int]]:
+        assignments, how = plan_assignments(cfg, n, threads, log)
+        log(f"re-planned for {n} worker{'s' if n != 1 else ''}: {how}")
+        out = {}
+        for name in phases:
+            bucket, _, objective = name.partition(":")
+            out[name] = list(assignments[objective or "throughput"][bucket.split("@")[0]])
+        return out
+
+    return replan
+
+
 def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) -> tuple[Engine, str]:
     """Trace, place, start the workers and the engine; returns the running engine and a description."""
     from tessera.hardware.cluster import parse_cluster
@@ -119,11 +136,14 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
         assignments, how = plan_assignments(cfg, workers, threads, log)
         placements = objective_placements(graphs, assignments)
         log(f"starting {workers} workers ({threads} thread{'s' if threads != 1 else ''} each)")
-        pool = WorkerPool.local(workers, threads)
+        replan = cfg.on_failure == "replan"
+        pool = WorkerPool.local(workers, threads, allow_lost=replan)
         try:
             phases = {name: graphs[name.split(":")[0]] for name in placements.placements}
             runner = DistributedRunner(pool, phases, placements.placements, weights_path=files, log=log,
-                                       batch_invariant=cfg.batch_invariant)
+                                       batch_invariant=cfg.batch_invariant,
+                                       on_failure=cfg.on_failure,
+                                       replan=replanner(cfg, threads, list(placements.placements), log))
         except BaseException:
             pool.close()
             raise

@@ -1,8 +1,9 @@
 """Prometheus text for ``/metrics``, built from a running engine's counters at scrape time.
 
 Counters and histograms are the engine's own (tokens, requests, steps, time to first token, time per
-output token, seconds per objective, device busy time); the tokens-per-second gauge is measured over
-(about) the last minute of scrapes.
+output token, seconds per objective, device busy time, failed requests and steps, recoveries from lost
+workers); the server's state comes from its lifecycle (``engine_up`` is 1 only while the engine thread
+runs and can serve); the tokens-per-second gauge is measured over (about) the last minute of scrapes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from collections import deque
 
 from tessera.serve.engine import Engine, Histogram
+from tessera.serve.lifecycle import STATES, Lifecycle
 
 RATE_WINDOW_S = 60.0  # tokens/s is measured over (about) the last minute of scrapes
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -20,8 +22,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class PrometheusMetrics:
     """The Prometheus exposition of one engine's counters."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, target: Engine | Lifecycle):
+        self.lifecycle = Lifecycle.of(target)
         self.start = time.monotonic()
         self.samples: deque[tuple[float, int]] = deque([(self.start, 0)])
 
@@ -35,11 +37,19 @@ class PrometheusMetrics:
 
     def render(self) -> str:
         """Every metric as Prometheus text, as the engine stands now."""
-        e = self.engine
+        lines: list[str] = []
+        state = self.lifecycle.state
+        _metric(lines, "tessera_server_state", "gauge", "The server's state (1 = current).",
+                [(f'{{state="{s}"}}', 1 if s == state else 0) for s in STATES])
+        e = self.lifecycle.engine
+        up = e is not None and e.running and e.error is None
+        _metric(lines, "tessera_engine_up", "gauge", "1 while the engine thread runs and can serve.",
+                [("", 1 if up else 0)])
+        if e is None:
+            return "\n".join(lines) + "\n"
         stats = e.stats
         tokens = stats.tokens
         queued, in_flight = e.queue_depth()
-        lines: list[str] = []
         _metric(lines, "tessera_generated_tokens_total", "counter", "Tokens generated.", [("", tokens)])
         _metric(lines, "tessera_completed_requests_total", "counter", "Requests that finished (stop or length).",
                 [("", stats.completed)])
@@ -59,7 +69,12 @@ class PrometheusMetrics:
                 [(f'{{objective="{o}"}}', s) for o, s in sorted(dict(stats.step_s).items())])
         _metric(lines, "tessera_device_busy_seconds_total", "counter", "Seconds each device spent computing kernels.",
                 [(f'{{device="{_label(d)}"}}', s) for d, s in sorted(e.backend.busy_s().items())])
-        _metric(lines, "tessera_engine_up", "gauge", "1 while the engine thread runs.", [("", 0 if e.error else 1)])
+        _metric(lines, "tessera_failed_requests_total", "counter", "Requests ended by a server-side failure "
+                "(a failed step, lost workers, a shutdown past its grace period).", [("", stats.failed)])
+        _metric(lines, "tessera_failed_steps_total", "counter", "Engine steps that failed (their requests failed, "
+                "the others went on).", [("", stats.failed_steps)])
+        _metric(lines, "tessera_recoveries_total", "counter", "Lost workers re-planned onto the survivors while "
+                "serving.", [("", stats.recoveries)])
         return "\n".join(lines) + "\n"
 
 

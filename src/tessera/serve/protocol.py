@@ -1,16 +1,22 @@
 """The wire shapes of the OpenAI-compatible API: the request bodies and the error object.
 
 Request bodies are pydantic models that accept and ignore unknown fields, as clients send many optional
-ones; what this server does not support is refused by the serving layer, not here. Every error is
+ones; what this server does not support is refused by the serving layer, not here. The fields they do
+know are typed strictly (JSON ``true`` is not the integer 1, ``"2"`` is not a number) and a chat
+message's role is one this server understands. Every error is
 answered as an OpenAI error object, ``{"error": {"message", "type", "param", "code"}}``, carried by
 ``APIError`` with its HTTP status.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+Int = StrictInt
+Number = StrictFloat | StrictInt
+ROLES = ("system", "user", "assistant")  # tools are not supported, so no "tool" messages
 
 
 class APIError(Exception):
@@ -46,7 +52,7 @@ class StreamOptions(BaseModel):
     """``stream_options``: whether a stream ends with a usage chunk."""
 
     model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingRequest(BaseModel):
@@ -54,25 +60,25 @@ class SamplingRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
-    temperature: float | None = None  # OpenAI's default is 1 (sampling); 0 is greedy
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool | None = False
+    model: StrictStr
+    temperature: Number | None = None  # OpenAI's default is 1 (sampling); 0 is greedy
+    top_p: Number | None = None
+    seed: Int | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: Int | None = 1
     logprobs: Any = None
 
 
 class CompletionRequest(SamplingRequest):
     """A ``/v1/completions`` body."""
 
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = 16
-    echo: bool | None = False
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: StrictStr | list[Int] | list[StrictStr]
+    max_tokens: Int | None = 16
+    echo: StrictBool | None = False
+    best_of: Int | None = None
+    suffix: StrictStr | None = None
 
 
 class ChatMessage(BaseModel):
@@ -80,19 +86,19 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: Literal["system", "user", "assistant"]
+    content: StrictStr | list[dict[str, Any]] | None = None
 
 
 class ChatRequest(SamplingRequest):
     """A ``/v1/chat/completions`` body."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    top_logprobs: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    top_logprobs: Int | None = None
     tools: list[Any] | None = None
 
 
-__all__ = ["APIError", "ChatMessage", "ChatRequest", "CompletionRequest", "SamplingRequest", "StreamOptions",
+__all__ = ["ROLES", "APIError", "ChatMessage", "ChatRequest", "CompletionRequest", "SamplingRequest", "StreamOptions",
            "invalid_request"]

@@ -108,6 +108,40 @@ class ReplicatedEngine:
         return next((e.error for e in self.engines if e.error is not None), None)
 
     @property
+    def status(self) -> str:
+        """The worst replica's state: ``failed``, else ``recovering`` or ``draining``, else ``ready`` / ``stopped``."""
+        states = [e.status for e in self.engines]
+        return next((s for s in ("failed", "recovering", "draining", "ready") if s in states), states[0])
+
+    @property
+    def on_fatal(self) -> Callable[[BaseException], None] | None:
+        return self.engines[0].on_fatal
+
+    @on_fatal.setter
+    def on_fatal(self, callback: Callable[[BaseException], None] | None) -> None:
+        for e in self.engines:  # any replica lost for good takes the server down for its supervisor
+            e.on_fatal = callback
+
+    @property
+    def running(self) -> bool:
+        """Whether every replica's engine thread runs."""
+        return all(e.running for e in self.engines)
+
+    def idle(self) -> bool:
+        """Whether no replica has a request queued or in flight."""
+        return all(e.idle() for e in self.engines)
+
+    def close_admission(self) -> None:
+        """Take no new requests on any replica."""
+        for e in self.engines:
+            e.close_admission()
+
+    def abort(self, message: str) -> None:
+        """End every replica's queued and running requests with ``message``."""
+        for e in self.engines:
+            e.abort(message)
+
+    @property
     def objective(self) -> str:
         """``throughput`` while any replica runs its throughput plans, else ``latency``."""
         return "throughput" if any(e.objective == "throughput" for e in self.engines) else "latency"
@@ -141,6 +175,9 @@ class ReplicatedEngine:
             out.tokens += s.tokens
             out.completed += s.completed
             out.steps += s.steps
+            out.failed += s.failed
+            out.failed_steps += s.failed_steps
+            out.recoveries += s.recoveries
             for mine, theirs in ((out.ttft, s.ttft), (out.tpot, s.tpot)):
                 _add(mine, theirs)
             for o, v in dict(s.step_s).items():

@@ -5,8 +5,9 @@ turns it into a prompt and sampling parameters (a chat through the tokenizer's c
 to the engine and answers it: the whole response object, or an ``EventStream`` of server-sent events.
 Each request's engine events (called on the engine thread) are handed to the event loop with
 ``call_soon_threadsafe`` into an asyncio queue of its own. Anything wrong with a request is an
-``APIError``: 400 for a bad request, 404 for a model this server does not serve, 503 when the engine has
-stopped, and 500 when it stopped while serving the request. A request nobody listens to any more (a
+``APIError``: 400 for a bad request, 404 for a model this server does not serve, 503 when the engine takes
+no requests (shutting down, or failed), and 500 when the server failed while serving the request (a
+failed step, a lost backend, a shutdown that could not wait for it). A request nobody listens to any more (a
 stream closed early, or a whole response whose client went away) is cancelled, which frees its slot
 before the next step.
 """
@@ -22,7 +23,14 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from tessera.serve.engine import Engine, Generation, GenerationParams, RequestError
+from tessera.serve.engine import (
+    Engine,
+    EngineUnavailable,
+    Generation,
+    GenerationParams,
+    RequestError,
+    ServerFault,
+)
 from tessera.serve.protocol import APIError, ChatMessage, ChatRequest, CompletionRequest, SamplingRequest
 
 DISCONNECT_POLL_S = 0.25  # how often a whole (non-streamed) request checks that its client is still there
@@ -47,10 +55,11 @@ class _Events:
 
 
 def _failure(engine: Engine, message: str) -> APIError:
-    """The error for a request the engine ended with ``message``: the server's fault if the engine stopped."""
-    if engine.error is not None:
-        return APIError(500, message, "server_error")
-    return APIError(400, message)
+    """The error for a request the engine ended with ``message``: the server's if it says so (a ServerFault),
+    else the request's."""
+    if isinstance(message, ServerFault) or engine.error is not None:
+        return APIError(500, str(message), "server_error")
+    return APIError(400, str(message))
 
 
 class Served:
@@ -87,7 +96,7 @@ class Served:
                 elif kind in ("done", "error"):
                     self.finished = True
                     if kind == "error":
-                        raise _failure(self.engine, str(payload))
+                        raise _failure(self.engine, payload)
                     return "".join(text), payload
         finally:
             await self.release()
@@ -195,7 +204,7 @@ class EventStream:
                     continue
                 served.finished = True
                 yield sse(response.chunk(None, payload) if kind == "done"
-                          else _failure(served.engine, str(payload)).body())
+                          else _failure(served.engine, payload).body())
                 break
             if self.include_usage:
                 yield sse(response.usage_chunk(served.usage()))
@@ -219,11 +228,10 @@ class OpenAIServing:
 
     # ---- health and models ------------------------------------------------------------------------------
     def health(self) -> tuple[int, dict[str, str]]:
-        """The HTTP status and body of a health check: ok, or the error that stopped the engine."""
-        error = self.engine.error
-        if error is not None:
-            return 503, {"status": "error", "error": f"{type(error).__name__}: {error}"}
-        return 200, {"status": "ok"}
+        """The HTTP status and body of a health check (see ``serve.lifecycle``)."""
+        from tessera.serve.lifecycle import Lifecycle
+
+        return Lifecycle(self.engine).health()
 
     def model_card(self) -> dict[str, Any]:
         """The OpenAI model object of the served model."""
@@ -251,7 +259,7 @@ class OpenAIServing:
         """Serve a ``/v1/completions`` request: the whole ``text_completion``, a stream of chunks, or None when
         the client went away before it finished."""
         self._check_completion(body)
-        prompt_ids = self.completion_prompt(body.prompt)
+        prompt_ids = await asyncio.to_thread(self.completion_prompt, body.prompt)  # off the event loop
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         served = self._submit_request(body, prompt_ids, max_tokens, "prompt")
         return await self._respond(body, served, CompletionResponse(self.model_id), disconnected)
@@ -290,7 +298,7 @@ class OpenAIServing:
         """Serve a ``/v1/chat/completions`` request: the whole ``chat.completion``, a stream of chunks, or None
         when the client went away before it finished."""
         self._check_chat(body)
-        prompt_ids = self.chat_prompt(body.messages)
+        prompt_ids = await asyncio.to_thread(self.chat_prompt, body.messages)
         served = self._submit_request(body, prompt_ids, self._chat_max_tokens(body, prompt_ids), "messages")
         return await self._respond(body, served, ChatResponse(self.model_id), disconnected)
 
@@ -361,13 +369,13 @@ class OpenAIServing:
 
     def submit(self, prompt_ids: list[int], params: GenerationParams) -> Served:
         """Submit a prompt to the engine, its events delivered to the running event loop."""
-        if self.engine.error is not None:
-            raise APIError(503, f"the engine has stopped ({self.engine.error}); restart the server", "server_error")
         events = _Events(asyncio.get_running_loop())
         try:
             gen = self.engine.submit(prompt_ids, params, events.sink)
         except RequestError as e:
             raise APIError(400, str(e)) from None
+        except EngineUnavailable as e:
+            raise APIError(503, str(e), "server_error") from None
         return Served(self.engine, gen, events, len(prompt_ids))
 
     def _submit_request(self, body: SamplingRequest, prompt_ids: list[int], max_tokens: int, what: str) -> Served:
