@@ -131,8 +131,8 @@ def test_production_llama_decode_layer_is_ten_fused_units():
     names = [k.op.split(".")[1] for k in g.kernels]
     layers = config.num_hidden_layers
     # layer 0 norms the embedding (its residual); later layers add the carried residual first
-    assert names == ["embedding", "rms_norm"] + (LLAMA_LAYER * layers)[1:] + ["add_rms_norm", "mm"]
-    assert [k.layer for k in g.kernels[1:-2]] == [i for i in range(layers) for _ in LLAMA_LAYER]
+    assert names == ["embedding", "rms_norm"] + (LLAMA_LAYER * layers)[1:] + ["add_rms_norm", "mm", "sample"]
+    assert [k.layer for k in g.kernels[1:-3]] == [i for i in range(layers) for _ in LLAMA_LAYER]
     qkv = g.kernels[2]
     assert qkv.op_class == "gemm" and qkv.scope == "model.layers.0.self_attn"
     assert [k.scope for k in g.kernels if k.op.endswith("silu_and_mul.default")] == \
@@ -145,8 +145,8 @@ def test_production_llama_prefill_has_the_same_layer():
     g = trace(step_for(spec, meta, values, "prefill", StepShape(batch=2, seq=6, ctx=16), device="meta"))
     names = [k.op.split(".")[1] for k in g.kernels]
     prefill_layer = [n if n != "decode_attention" else "prefill_attention" for n in LLAMA_LAYER]
-    # the LM head on the last position of each row (a strided [B,1,H] view) is one bmm
-    assert names == ["embedding", "rms_norm"] + (prefill_layer * 2)[1:] + ["add_rms_norm", "bmm"]
+    # the LM head on the last position of each row (a strided [B,1,H] view) is one bmm; the sampler ends the step
+    assert names == ["embedding", "rms_norm"] + (prefill_layer * 2)[1:] + ["add_rms_norm", "bmm", "sample"]
 
 
 def test_unsupported_rope_falls_back_to_eager():

@@ -103,8 +103,8 @@ def test_each_layer_runs_the_intended_kernels(phase, expected):
                                                    "causal_conv1d", "ssd_chunk_cumsum", "ssd_chunk_state",
                                                    "ssd_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan"}
     outside = [".".join(k.op.split(".")[:2]) for k in g.kernels if k.layer is None]
-    # embedding; final add + RMSNorm; LM head; logits to float32
-    assert outside == ["aten.embedding", "tessera.mamba_add_rms_norm", "aten.mm", "aten._to_copy"]
+    # embedding; final add + RMSNorm; LM head; logits to float32; the sampler
+    assert outside == ["aten.embedding", "tessera.mamba_add_rms_norm", "aten.mm", "aten._to_copy", "tessera.sample"]
     assert g.meta["graph"] == "production" and "fallbacks" not in g.meta
     ssm = g.buffers["cache.layer0.ssm"]
     assert ssm.kind == "state" and ssm.dtype == "bfloat16"  # vLLM's mamba_ssm_cache_dtype "auto"
@@ -122,6 +122,6 @@ def test_codestral_kernel_counts_on_meta(phase, batch, seq, per_layer):
 
     g = trace_model("mamba-codestral-7b", phase, batch=batch, seq=seq, ctx=2048)
     layers = 64
-    assert len(g.kernels) == layers * per_layer + 4
+    assert len(g.kernels) == layers * per_layer + 5  # embedding, final norm, LM head, cast, sampler
     print(f"mamba-codestral-7b {phase} batch {batch} seq {seq}: {len(g.kernels)} kernels "
           f"({per_layer} per layer)")

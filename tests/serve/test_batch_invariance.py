@@ -15,6 +15,7 @@ from tessera.kernels import invariant
 from tessera.serve.config import ServeConfig
 from tessera.serve.engine import GenerationParams
 from tessera.serve.launch import start_engine
+from tests.serve.recording import RecordingBackend
 
 MODEL = "smollm2-135m"
 PROMPTS = [f"{n}, {n}, {n}, {n}," for n in (100, 113, 126, 139)]
@@ -51,25 +52,18 @@ def test_invariant_gemms_match_torch_and_are_row_independent():
     assert invariant.invariant_op("tessera.rms_norm.default") is None
 
 
-class _Recorder:
+class _Recorder(RecordingBackend):
     """Keeps every decode step's rows: (slot, position) -> logits."""
 
     def __init__(self, backend):
-        self.backend, self.rows, self.widths = backend, {}, []
+        super().__init__(backend)
+        self.rows, self.widths = {}, []
 
-    def run(self, phase, inputs):
-        out = self.backend.run(phase, inputs)
+    def record(self, phase, inputs, outputs):
         if phase.startswith("decode"):
             self.widths.append(len(inputs["slots"]))
             for r, (s, p) in enumerate(zip(inputs["slots"].tolist(), inputs["positions"].tolist(), strict=True)):
-                self.rows.setdefault((s, p), []).append(out["logits"][r].clone())
-        return out
-
-    def busy_s(self):
-        return self.backend.busy_s()
-
-    def close(self):
-        self.backend.close()
+                self.rows.setdefault((s, p), []).append(outputs["logits"][r].clone())
 
 
 @pytest.fixture(scope="module")

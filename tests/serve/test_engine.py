@@ -13,6 +13,7 @@ from tessera.serve.config import ServeConfig
 from tessera.serve.engine import GenerationParams, Histogram
 from tessera.serve.launch import start_engine
 from tessera.serve.monitor import SWITCH_LOG, Monitor
+from tests.serve.recording import RecordingBackend
 
 
 def _request(arrival: float, busy: float, finish: float | None = None) -> Request:
@@ -55,29 +56,15 @@ def test_monitor_switches_on_the_latency_ratio_with_a_cool_down():
         Monitor(beta=0)
 
 
-class _Recorder:
+class _Recorder(RecordingBackend):
     """A backend that records every step's phase, inputs and outputs (tokens and logits)."""
 
     def __init__(self, backend):
-        self.backend = backend
+        super().__init__(backend)
         self.steps: list[tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
 
-    def run(self, phase, inputs, owners=()):
-        outputs = self.backend.run(phase, inputs, owners)
+    def record(self, phase, inputs, outputs):
         self.steps.append((phase, {k: v.clone() for k, v in inputs.items()}, {k: v.clone() for k, v in outputs.items()}))
-        return outputs
-
-    def busy_s(self):
-        return self.backend.busy_s()
-
-    def forget(self, owners):
-        self.backend.forget(owners)
-
-    def reset(self):
-        self.backend.reset()
-
-    def close(self):
-        self.backend.close()
 
 
 def _serve(engine, prompts: list[str], concurrent: bool, max_tokens: int = 6):

@@ -45,6 +45,7 @@ import torch
 from tessera.errors import TesseraError
 from tessera.graph.ir import KernelGraph
 from tessera.hardware.cluster import Link
+from tessera.kernels.sample import with_sampling_defaults
 from tessera.program.program import Piece
 from tessera.runtime.commands import Connect, Echo, MessageTimes, ProbeLink, ProbeMessages, TimeProgram
 from tessera.runtime.wire import pack, unpack
@@ -404,6 +405,9 @@ def measure_program_times(pool, sp, graph: KernelGraph, weights_path: str | list
     used = [d for d, p in enumerate(sp.programs) if any(i.kind == "run" for i in p.instructions)]
     if len(workers) < len(sp.programs):
         raise ProbeError(f"{len(sp.programs)} device programs but {len(workers)} workers")
+
+    # callers may leave the sampler's inputs out (greedy)
+    inputs = [with_sampling_defaults(graph.inputs, mb, mb[graph.inputs[0]].shape[0]) for mb in inputs]
 
     def cmd(d: int, min_s: float, pause_s: float = 0.0) -> TimeProgram:
         return TimeProgram(graph, sp.programs[d], weights_path,
