@@ -107,9 +107,13 @@ def _compare(pool) -> None:
         return _decode(first + i + 1, slice(m, m + 1))
 
     total = WARMUP + STEPS
-    runner.stream("decode", [_decode(first, slice(m, m + 1)) for m in range(M)], total + 1, feed)
-    measured_period = (max(done[(m, total - 1)] for m in range(M)) - max(done[(m, WARMUP)] for m in range(M))) / \
-        (total - 1 - WARMUP)
+    periods = []
+    for _ in range(2):  # the faster of two streamed runs: a burst of other work on the host slows only one
+        done.clear()
+        runner.stream("decode", [_decode(first, slice(m, m + 1)) for m in range(M)], total + 1, feed)
+        periods.append((max(done[(m, total - 1)] for m in range(M)) - max(done[(m, WARMUP)] for m in range(M))) /
+                       (total - 1 - WARMUP))
+    measured_period = min(periods)
     measured_step = statistics.fmean(walls)
 
     # the simulator, from probes of the pool
