@@ -1,4 +1,4 @@
-"""The workload grammar: fixed, poisson (lengths from a file) and images specs, and their errors."""
+"""The workload grammar: fixed, offline, poisson (lengths from a file) and images specs, and their errors."""
 
 from __future__ import annotations
 
@@ -9,10 +9,14 @@ import pytest
 from tessera.workload import (
     DEFAULT_REQUESTS,
     LENGTHS_DIR,
+    OFFLINE_REQUESTS,
     FixedWorkload,
     ImagesWorkload,
+    OfflineWorkload,
     PoissonWorkload,
     WorkloadError,
+    default_workload,
+    draw_requests,
     load_lengths,
     parse_workload,
     shipped_lengths,
@@ -62,7 +66,7 @@ def test_lengths_from_json(tmp_path):
 
 
 @pytest.mark.parametrize("spec,expected", [
-    ("batch:in=1", "KIND one of fixed, poisson, images"),
+    ("batch:in=1", "KIND one of fixed, offline, poisson, images"),
     ("fixed", "KIND one of"),
     ("fixed:in=1024", "fixed needs out"),
     ("fixed:in=1024,out=x", "out='x' is not a whole number"),
@@ -94,3 +98,22 @@ def test_bad_lengths_files(tmp_path):
     j.write_text('[["x", 1]]')
     with pytest.raises(WorkloadError, match="whole-number"):
         load_lengths(str(j))
+
+
+def test_offline_workload_draws_prompts_and_fixes_outputs():
+    w = parse_workload("offline:prompts=azure-conv,out=384,requests=50")
+    assert isinstance(w, OfflineWorkload) and w.output == 384 and w.requests == 50
+    drawn = draw_requests(w, seed=3)
+    assert len(drawn) == 50 and all(t == 0.0 and out == 384 for t, _, out in drawn)
+    inputs = [a for _, a, _ in drawn]
+    assert inputs == [a for a, _ in w.lengths.sample(50, 3)] and len(set(inputs)) > 10
+    assert parse_workload("offline:prompts=azure-conv,out=8").requests == OFFLINE_REQUESTS
+    assert 1000 < w.mean_input < 1300  # azure-conv: median 1020, mean about 1155
+
+
+def test_default_workloads_follow_the_published_offline_setup():
+    assert default_workload("llm") == "offline:prompts=azure-conv,out=1024,requests=1000"
+    assert parse_workload(default_workload("moe")).output == 384
+    assert parse_workload(default_workload("vlm")).output == 128
+    assert parse_workload(default_workload("ssm")).output == 128
+    assert parse_workload(default_workload("diffusion")) == ImagesWorkload(28, (1024, 1024), DEFAULT_REQUESTS)

@@ -1,6 +1,8 @@
 """The workload grammar shared by plan, simulate, evaluate and bench.
 
     fixed:in=1024,out=1024,requests=192        every request the same lengths, all at once
+    offline:prompts=azure-conv,out=1024[,requests=1000]   all at once, prompts drawn from a distribution,
+                                                 every request generating ``out`` tokens (steady-state throughput)
     poisson:rate=4,lengths=FILE[,requests=N]   Poisson arrivals (requests/s), lengths drawn from a file
     images:steps=28,resolution=1024[,requests=N]   diffusion requests (resolution N or WxH)
 
@@ -25,6 +27,7 @@ from tessera.limits import DENOISING_STEPS, IMAGE_SIDE, REQUESTS, TOKENS, Limit
 
 LENGTHS_DIR = Path(__file__).parent / "data" / "lengths"
 DEFAULT_REQUESTS = 256
+OFFLINE_REQUESTS = 1000  # enough to fill every engine of a pair at memory-bound admission
 _LENGTH_SUFFIXES = (".csv", ".json")
 
 
@@ -60,6 +63,21 @@ class FixedWorkload:
 
 
 @dataclass(frozen=True)
+class OfflineWorkload:
+    """``requests`` requests arriving at once, prompt lengths drawn from ``lengths`` (their inputs only),
+    each generating ``output`` tokens: the offline throughput setting of published evaluations."""
+
+    lengths: LengthDistribution
+    output: int
+    requests: int = OFFLINE_REQUESTS
+
+    @property
+    def mean_input(self) -> float:
+        """The mean prompt length of the distribution (what a request's prefill and cache cost follow)."""
+        return float(np.mean(self.lengths.inputs))
+
+
+@dataclass(frozen=True)
 class PoissonWorkload:
     """Requests arriving as a Poisson process of ``rate`` per second, lengths from a distribution."""
 
@@ -77,18 +95,26 @@ class ImagesWorkload:
     requests: int = DEFAULT_REQUESTS
 
 
-Workload = FixedWorkload | PoissonWorkload | ImagesWorkload
+Workload = FixedWorkload | OfflineWorkload | PoissonWorkload | ImagesWorkload
 _KEYS = {"fixed": ({"in", "out", "requests"}, {"in", "out"}),
+         "offline": ({"prompts", "out", "requests"}, {"prompts", "out"}),
          "poisson": ({"rate", "lengths", "requests"}, {"rate", "lengths"}),
          "images": ({"steps", "resolution", "requests"}, {"steps", "resolution"})}
-DEFAULT_TEXT_WORKLOAD = "fixed:in=1024,out=1024,requests=192"
+# Outputs per request of the published evaluation's offline setup, by model family: Llama 1024 tokens,
+# GPT-oss (MoE) 384, Qwen2.5-VL and Mamba 128; SD3.5 one 1024x1024 image in 28 steps.
+DEFAULT_OUTPUTS = {"llm": 1024, "moe": 384, "vlm": 128, "ssm": 128}
+DEFAULT_TEXT_WORKLOAD = f"offline:prompts=azure-conv,out={DEFAULT_OUTPUTS['llm']},requests={OFFLINE_REQUESTS}"
 DEFAULT_IMAGE_WORKLOAD = "images:steps=28,resolution=1024"
-_EXAMPLES = f"{DEFAULT_TEXT_WORKLOAD} | poisson:rate=4,lengths=FILE | {DEFAULT_IMAGE_WORKLOAD}"
+_EXAMPLES = (f"fixed:in=1024,out=1024,requests=192 | {DEFAULT_TEXT_WORKLOAD} | poisson:rate=4,lengths=FILE | "
+             f"{DEFAULT_IMAGE_WORKLOAD}")
 
 
 def default_workload(family: str) -> str:
-    """The workload planned and simulated for a model family when none is given."""
-    return DEFAULT_IMAGE_WORKLOAD if family == "diffusion" else DEFAULT_TEXT_WORKLOAD
+    """The steady-state workload planned and simulated for a model family when none is given."""
+    if family == "diffusion":
+        return DEFAULT_IMAGE_WORKLOAD
+    out = DEFAULT_OUTPUTS.get(family, DEFAULT_OUTPUTS["llm"])
+    return f"offline:prompts=azure-conv,out={out},requests={OFFLINE_REQUESTS}"
 
 
 _LIMITS: dict[str, Limit] = {"in": TOKENS, "out": TOKENS, "requests": REQUESTS, "steps": DENOISING_STEPS}
@@ -205,6 +231,9 @@ def parse_workload(spec: str) -> Workload:
     if kind == "fixed":
         return FixedWorkload(_int(spec, "in", values["in"]), _int(spec, "out", values["out"]),
                              requests or DEFAULT_REQUESTS)
+    if kind == "offline":
+        return OfflineWorkload(load_lengths(values["prompts"]), _int(spec, "out", values["out"]),
+                               requests or OFFLINE_REQUESTS)
     if kind == "poisson":
         return PoissonWorkload(_rate(spec, values["rate"]), load_lengths(values["lengths"]),
                                requests or DEFAULT_REQUESTS)
@@ -213,13 +242,15 @@ def parse_workload(spec: str) -> Workload:
 
 
 def draw_requests(workload: Workload, seed: int = 0) -> list[tuple[float, int, int]]:
-    """The workload's requests as (arrival seconds, input tokens, output tokens): all at 0 for ``fixed:``
-    and ``images:`` (0 input, 1 output: the image), Poisson arrivals with lengths sampled for ``poisson:``
+    """The workload's requests as (arrival seconds, input tokens, output tokens): all at 0 for ``fixed:``,
+    ``offline:`` (prompts sampled, deterministic for a seed) and ``images:`` (0 input, 1 output: the image), Poisson arrivals with lengths sampled for ``poisson:``
     (deterministic for a seed; the simulator and ``tessera bench`` draw the same requests)."""
     if isinstance(workload, FixedWorkload):
         return [(0.0, workload.input, workload.output)] * workload.requests
     if isinstance(workload, ImagesWorkload):
         return [(0.0, 0, 1)] * workload.requests
+    if isinstance(workload, OfflineWorkload):
+        return [(0.0, a, workload.output) for a, _ in workload.lengths.sample(workload.requests, seed)]
     rng = np.random.default_rng(seed)
     times = np.cumsum(rng.exponential(1.0 / workload.rate, size=workload.requests))
     lengths = workload.lengths.sample(workload.requests, seed)

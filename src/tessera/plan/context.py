@@ -31,6 +31,7 @@ from tessera.workload import (
     DEFAULT_TEXT_WORKLOAD,
     FixedWorkload,
     ImagesWorkload,
+    OfflineWorkload,
     PoissonWorkload,
     Workload,
     parse_workload,
@@ -76,12 +77,14 @@ def workload_phases(family: str, workload: Workload, max_batch: int | None) -> t
                             f"{DEFAULT_TEXT_WORKLOAD} or poisson:rate=4,lengths=azure-conv")
     if isinstance(workload, FixedWorkload):
         n_in, n_out = workload.input, workload.output
+    elif isinstance(workload, OfflineWorkload):  # the mean prompt: prefill work and cache grow with it
+        n_in, n_out = max(1, round(workload.mean_input)), workload.output
     else:
         assert isinstance(workload, PoissonWorkload)
         med_in, med_out = workload.lengths.median
         n_in, n_out = max(1, round(med_in)), max(1, round(med_out))
     b = max_batch or DEFAULT_MAX_BATCH_LLM
-    if isinstance(workload, FixedWorkload) and max_batch is None:
+    if isinstance(workload, FixedWorkload | OfflineWorkload) and max_batch is None:
         b = min(b, workload.requests)
     ctx_avg = n_in + n_out // 2  # decode reads the cache at the mean context of a request's life
     phases = [PhaseSpec("prefill", 1, n_in, n_in, None, 1.0, False),
