@@ -131,7 +131,7 @@ def _table(plans, ctx, objective: str) -> None:
         top = max(base, key=lambda p: p.throughput)
         margin = tess.throughput / top.throughput - 1
         verdict = (f"ties {top.policy}" if margin < 1e-6 else f"+{margin:.1%} over {top.policy}")
-        _out.print(f"tessera vs the best baseline: {verdict} (bound: {tess.bound})")
+        _out.print(f"tessera vs the best baseline: {verdict} (bottleneck: {tess.bottleneck})")
 
 
 def register(app: typer.Typer) -> None:

@@ -18,8 +18,11 @@ from tessera.workload import default_workload
 
 POLICIES = ("homogeneous", "request-dist", "prefill-decode", "attention-ffn", "layer-pipeline", "tessera")
 PRICE_SCENARIOS = ("relative", "cloud_usd")
-DEFAULT_MAX_BATCH_LLM = 64  # sequences in flight per replica
+DEFAULT_MAX_BATCH_LLM = 64  # sequences in flight per replica under a fixed batch (runtime plans)
 DEFAULT_MAX_BATCH = {"diffusion": 4}  # images in flight per replica, by family where it differs
+DEFAULT_MAX_NUM_SEQS = 256  # per engine, as vLLM's max_num_seqs
+DEFAULT_MEMORY_UTILIZATION = 0.9  # of each device's memory, as vLLM's gpu_memory_utilization
+DEFAULT_BLOCK_SIZE = 16  # tokens per paged KV block
 LATENCY_BUCKET = 8  # sequences in flight under the latency objective's step plans
 
 
@@ -29,6 +32,29 @@ class PlanConfigError(TesseraError):
 
 class PolicyError(TesseraError, ValueError):
     """An unknown policy, or a device that the cluster does not have."""
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """How every engine of a deployment admits sequences without a fixed ``--max-batch``: while its devices'
+    state memory lasts (paged KV in ``block_size``-token blocks, after weights and peak activations, at
+    ``memory_utilization`` of each device), up to ``max_num_seqs`` per engine."""
+
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    memory_utilization: float = DEFAULT_MEMORY_UTILIZATION
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    def check(self) -> None:
+        """Raise `PlanConfigError` for a value that cannot work."""
+        if self.max_num_seqs < 1:
+            raise PlanConfigError(f"--max-num-seqs must be at least 1 (got {self.max_num_seqs})")
+        BATCH_ROWS.check(self.max_num_seqs, "--max-num-seqs")
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise PlanConfigError(f"--gpu-memory-utilization must be in (0, 1] (got {self.memory_utilization}); "
+                                  "it is the share of each device's memory an engine may use")
+        if self.block_size < 1:
+            raise PlanConfigError(f"--block-size must be at least 1 token (got {self.block_size})")
+        TOKENS.check(self.block_size, "--block-size")
 
 
 def check_policy(policy: str) -> str:
@@ -55,10 +81,12 @@ class PlanConfig:
     routing_skew: float = 0.0
     cache_ctx: int | None = None
     split_experts: bool = True
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def check(self) -> None:
         """Raise `PlanConfigError` (or `PolicyError`) for an option that cannot work."""
         check_policy(self.policy)
+        self.admission.check()
         if self.objective not in OBJECTIVES:
             raise PlanConfigError(f"--objective must be one of {', '.join(OBJECTIVES)} (got {self.objective!r})")
         if self.prices not in PRICE_SCENARIOS:

@@ -20,7 +20,7 @@ from tessera.graph.ir import KernelGraph
 from tessera.graph.layers import LayerStructureError, layer_structure
 from tessera.hardware.cluster import Cluster, parse_cluster
 from tessera.plan.build import StepProblem, build_step_problem
-from tessera.plan.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_LLM, PlanConfig
+from tessera.plan.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_LLM, AdmissionConfig, PlanConfig
 from tessera.plan.deployment import DeploymentPlan, StateMove, StepPlan
 from tessera.plan.fold import Merged, fold_groups, merge
 from tessera.plan.problem import MICRO_BATCHES
@@ -117,6 +117,7 @@ class PlanContext:
     micro_batches: int | None = None  # the main phase's M, fixed (the runtime's): other phases share its state
     image: str | None = None  # vision-language models: the image size "WxH" (default: the catalog's)
     single_replica: bool = False  # plans for the runtime: one copy of the model over the cluster, no replicas
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     # traced graphs by step shape; contexts of one model may share one dict (a graph depends only on its shape)
     graphs: dict[tuple, KernelGraph] = field(default_factory=dict, repr=False)
 
@@ -150,7 +151,8 @@ class PlanContext:
         child = PlanContext(self.model, self.cluster, self.workload, self.workload_text, batch, self.options,
                             self.profile, self.routing_skew, self.price_scenario, self.fold_chunks, self.gap,
                             self.time_limit_s, self.search_time_s, self.progress, self.cache_ctx,
-                            self.split_experts, self.micro_batches, self.image, self.single_replica, self.graphs)
+                            self.split_experts, self.micro_batches, self.image, self.single_replica, self.admission,
+                            self.graphs)
         child._problems, child._folded = self._problems, self._folded
         child._solved = self.__dict__.setdefault("_solved", {})
         child._parent = self
@@ -163,7 +165,7 @@ class PlanContext:
         text = config.workload_text()
         return cls(config.model, parse_cluster(config.cluster), parse_workload(text), text, config.max_batch,
                    config.cost, routing_skew=config.routing_skew, price_scenario=config.prices, progress=progress,
-                   cache_ctx=config.cache_ctx, split_experts=config.split_experts)
+                   cache_ctx=config.cache_ctx, split_experts=config.split_experts, admission=config.admission)
 
     def add_solve_time(self, seconds: float) -> None:
         """Count solver time here and in the context this one was split from."""
@@ -289,7 +291,7 @@ class PlanContext:
             targets=[t.name for t in targets], replicas=replicas, device=device,
             residency={k: sorted(v) for k, v in residency.items()}, memory_bytes=memory.tolist(),
             memory_capacity=capacity, steps=steps, state_moves=moves, unit=self.unit, request_time_s=float(t_req),
-            price_scenario=self.price_scenario, bound=bound)
+            price_scenario=self.price_scenario, bottleneck=bound)
         plan.throughput = replicas * self.outputs_per_request / t_req if t_req > 0 else 0.0
         plan.cost_per_hour = replicas * sum(targets[t].price(self.price_scenario) for t in used)
         before_main = [s for s in steps if self._order(s.phase) < self._order(main.phase)]

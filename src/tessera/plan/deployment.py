@@ -25,7 +25,7 @@ from typing import Any
 
 from tessera.errors import TesseraError
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: engine admission, the upper bound, `bound` renamed `bottleneck`
 
 
 class PlanFileError(TesseraError):
@@ -41,6 +41,24 @@ class StateMove:
     dst: int
     bytes_per_request: float
     seconds_per_request: float
+
+
+@dataclass(frozen=True)
+class EngineAdmission:
+    """How many sequences (images) one engine of the deployment admits, and what limits it. Under
+    memory-bound admission an engine admits while its devices' state memory lasts (paged KV in blocks of
+    ``block_size`` tokens, after weights and activations, at the memory-utilisation fraction), up to
+    ``max_num_seqs``."""
+
+    max_seqs: int  # sequences (images) in flight per engine: the batch its repeated phase runs at
+    kv_tokens: int | None  # cache tokens its free memory holds (None: the state does not grow with the context)
+    block_size: int
+    limited_by: str  # what set max_seqs: memory on a device, --max-num-seqs, the workload, a fixed --max-batch
+
+    @property
+    def kv_blocks(self) -> int | None:
+        """Blocks of ``block_size`` tokens the engine's cache holds."""
+        return None if self.kv_tokens is None else self.kv_tokens // self.block_size
 
 
 @dataclass
@@ -95,7 +113,9 @@ class DeploymentPlan:
     ttft_s: float = 0.0
     cost_per_hour: float = 0.0
     price_scenario: str = "relative"
-    bound: str = ""  # what limits throughput
+    bottleneck: str = ""  # what limits throughput
+    admission: EngineAdmission | None = None  # per engine (request-dist: per device type, in extra["replicas"])
+    bound: float | None = None  # the case's upper bound on throughput (fractional kernels, free transfers)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -115,7 +135,8 @@ class DeploymentPlan:
                 "throughput_per_cost": self.throughput_per_cost, "latency_s": self.latency_s,
                 "ttft_s": self.ttft_s, "replicas": self.replicas, "targets": self.targets,
                 "micro_batches": decode.micro_batches if decode else None,
-                "memory_gb": [round(b / 1e9, 3) for b in self.memory_bytes], "bound": self.bound}
+                "memory_gb": [round(b / 1e9, 3) for b in self.memory_bytes], "bottleneck": self.bottleneck,
+                "admission": asdict(self.admission) if self.admission else None, "bound": self.bound}
 
     def to_dict(self) -> dict[str, Any]:
         """The plan file's JSON form."""
@@ -143,7 +164,9 @@ class DeploymentPlan:
         try:
             steps = [StepPlan(**s) for s in d.pop("steps")]
             moves = [StateMove(**m) for m in d.pop("state_moves")]
-            return cls(**d, steps=steps, state_moves=moves)
+            admission = d.pop("admission", None)
+            return cls(**d, steps=steps, state_moves=moves,
+                       admission=EngineAdmission(**admission) if admission else None)
         except (TypeError, KeyError) as e:
             raise PlanFileError(f"plan file {path}: missing or unknown fields ({e})") from None
 

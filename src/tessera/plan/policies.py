@@ -151,7 +151,7 @@ def request_dist(ctx: PlanContext, objective: str) -> DeploymentPlan:
         memory_capacity=[b for p in fitting for b in p.memory_capacity], unit=ctx.unit,
         throughput=sum(p.throughput for p in fitting), cost_per_hour=sum(p.cost_per_hour for p in fitting),
         price_scenario=ctx.price_scenario, latency_s=max(p.latency_s for p in fitting),
-        ttft_s=max(p.ttft_s for p in fitting), bound="compute on every replica",
+        ttft_s=max(p.ttft_s for p in fitting), bottleneck="compute on every replica",
         reason=", ".join(f"{p.device}: {p.throughput / sum(q.throughput for q in fitting):.0%} of requests"
                          for p in fitting) + ("" if len(fitting) == len(parts) else "; left out (no fit): " +
                                               ", ".join(p.device for p in parts if not p.feasible)) +
