@@ -19,6 +19,7 @@ from tessera.errors import TesseraError
 from tessera.graph.ir import KernelGraph
 from tessera.graph.layers import LayerStructureError, layer_structure
 from tessera.hardware.cluster import Cluster, parse_cluster
+from tessera.plan.admission import MemoryShape, admit
 from tessera.plan.build import StepProblem, build_step_problem
 from tessera.plan.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_LLM, AdmissionConfig, PlanConfig
 from tessera.plan.deployment import DeploymentPlan, StateMove, StepPlan
@@ -36,6 +37,8 @@ from tessera.workload import (
     Workload,
     parse_workload,
 )
+
+Chosen = list[tuple["PhaseSpec", int, tuple[int, ...], dict]]  # per phase: (phase, M, assignment, solver info)
 
 
 class PlanningError(TesseraError):
@@ -118,13 +121,23 @@ class PlanContext:
     image: str | None = None  # vision-language models: the image size "WxH" (default: the catalog's)
     single_replica: bool = False  # plans for the runtime: one copy of the model over the cluster, no replicas
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # engines admit sequences from their memory (None: when no fixed batch is asked for and the plan is not
+    # the runtime's; diffusion keeps its fixed images in flight)
+    admits: bool | None = None
     # traced graphs by step shape; contexts of one model may share one dict (a graph depends only on its shape)
     graphs: dict[tuple, KernelGraph] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.spec = resolve_model(self.model)
-        self.phases, self.outputs_per_request, self.unit = workload_phases(self.spec.family, self.workload,
-                                                                           self.max_batch)
+        if self.admits is None:
+            self.admits = (self.max_batch is None and self.cache_ctx is None and not self.single_replica
+                           and self.micro_batches is None and self.spec.family != "diffusion")
+        batch = self.max_batch
+        if self.admits and batch is None:  # probe at the most an engine may admit; memory then decides
+            batch = self.engine_cap(1)[0]
+        self.phases, self.outputs_per_request, self.unit = workload_phases(self.spec.family, self.workload, batch)
+        if self.admits:  # paged state: a sequence holds its tokens so far, on average the mean context
+            self.phases = [replace(p, state_scale=1.0) for p in self.phases]
         if self.cache_ctx is not None:
             self.phases = [replace(p, ctx=self.cache_ctx, state_scale=1.0) if p.ctx is not None else p
                            for p in self.phases]
@@ -152,7 +165,7 @@ class PlanContext:
                             self.profile, self.routing_skew, self.price_scenario, self.fold_chunks, self.gap,
                             self.time_limit_s, self.search_time_s, self.progress, self.cache_ctx,
                             self.split_experts, self.micro_batches, self.image, self.single_replica, self.admission,
-                            self.graphs)
+                            self.admits, self.graphs)
         child._problems, child._folded = self._problems, self._folded
         child._solved = self.__dict__.setdefault("_solved", {})
         child._parent = self
@@ -174,10 +187,29 @@ class PlanContext:
         if parent is not None:
             parent.add_solve_time(seconds)
 
+    def engine_cap(self, replicas: int) -> tuple[int, str]:
+        """The most sequences one of ``replicas`` engines may admit, and why: ``max_num_seqs``, or its share of
+        a workload that arrives at once when that is fewer."""
+        cap, why = self.admission.max_num_seqs, f"--max-num-seqs {self.admission.max_num_seqs}"
+        n = getattr(self.workload, "requests", None)
+        if n is not None and not isinstance(self.workload, PoissonWorkload) and -(-n // replicas) < cap:
+            cap = -(-n // replicas)
+            why = f"the workload's {n} requests" + (f" over {replicas} replicas" if replicas > 1 else "")
+        return cap, why
+
     def can_hold(self, targets: list[Target]) -> bool:
-        """Whether the targets together have room for the main phase's weights and state at all."""
+        """Whether the targets together have room for the main phase's weights and state at all (with
+        engines admitting from memory: for one sequence)."""
         mem = self.step_problem(self.main_phase, targets, 1).problem.memory
-        return mem is None or float(mem.item_bytes.sum()) <= float(mem.capacity.sum())
+        if mem is None:
+            return True
+        need = float(mem.item_bytes.sum())
+        if self.admits:
+            buffers = self.step_problem(self.main_phase, targets, 1).graph.buffers
+            state = sum(float(size) for size, name in zip(mem.item_bytes, mem.item_names or [], strict=False)
+                        if getattr(buffers.get(name.split("[")[0]), "kind", None) == "state")
+            need -= state * (1 - 1 / max(self.batch, 1))
+        return need <= float(mem.capacity.sum())
 
     def say(self, text: str) -> None:
         if self.progress is not None:
@@ -228,6 +260,10 @@ class PlanContext:
             sp = build_step_problem(graph, targets, self.cluster, micro_batches=micro_batches, options=self.options,
                                     profile=self.profile, routing_skew=self.routing_skew,
                                     state_scale=phase.state_scale, expert_parts=expert_parts)
+            if self.admits and sp.problem.memory is not None:  # an engine keeps its utilisation share only
+                util = self.admission.memory_utilization
+                sp.problem.memory.capacity = np.array([max(t.device_bytes * util - sp.activation_reserve, 0.0)
+                                                       for t in targets])
             self._problems[key] = sp
         return self._problems[key]
 
@@ -262,15 +298,16 @@ class PlanContext:
                                   sp.graph_assignment(assignment), ev.cycle_s, ev.critical_path_s, list(ev.busy_s),
                                   [list(r) for r in ev.link_s], ev.cut_edges, ev.cut_bytes, dict(info),
                                   {str(k): v for k, v in sp.expert_parts(assignment).items()}))
-        residency, item_bytes = self.residency(problems)
+        residency, _ = self.residency(problems)
         moves = self._state_moves(problems, targets)
         d = len(targets)
-        memory = np.zeros(d)
-        for name, where in residency.items():
-            for t in where:
-                memory[t] += item_bytes[name]
-        memory += max(sp.activation_reserve for _, sp, _ in problems)
-        capacity = [t.memory_bytes for t in targets]
+        shape = self.memory_shape(problems, targets)
+        memory = shape.fixed + shape.per_sequence * self.batch
+        if self.admits:  # the engine's utilisation share of each device
+            capacity = [t.device_bytes * self.admission.memory_utilization for t in targets]
+        else:
+            capacity = [t.memory_bytes for t in targets]
+        usable = np.array(capacity)
         loads = np.zeros(d)
         links = np.zeros((d, d))
         phase_bound = 0.0
@@ -287,11 +324,13 @@ class PlanContext:
         used = sorted({t for s in steps for t in s.assignment})
         plan = DeploymentPlan(
             model=self.model, cluster=self.cluster.describe(), workload=self.workload_text, policy=policy,
-            applicable=True, reason=reason, feasible=bool((memory <= np.array(capacity) * (1 + 1e-9)).all()),
+            applicable=True, reason=reason, feasible=bool((memory <= usable * (1 + 1e-9)).all()),
             targets=[t.name for t in targets], replicas=replicas, device=device,
             residency={k: sorted(v) for k, v in residency.items()}, memory_bytes=memory.tolist(),
             memory_capacity=capacity, steps=steps, state_moves=moves, unit=self.unit, request_time_s=float(t_req),
-            price_scenario=self.price_scenario, bottleneck=bound)
+            price_scenario=self.price_scenario, bottleneck=bound,
+            admission=admit(shape, self.admission, self.batch, main.micro_batches,
+                            self.engine_cap(replicas)[1]) if self.admits else None)
         plan.throughput = replicas * self.outputs_per_request / t_req if t_req > 0 else 0.0
         plan.cost_per_hour = replicas * sum(targets[t].price(self.price_scenario) for t in used)
         before_main = [s for s in steps if self._order(s.phase) < self._order(main.phase)]
@@ -310,13 +349,64 @@ class PlanContext:
             plan.reason = (plan.reason + "; " if plan.reason else "") + "does not fit: " + ", ".join(over)
         return plan
 
+    def assemble_admitted(self, policy: str, targets: list[Target], replicas: int, chosen: Chosen,
+                          objective: str = "throughput", device: str | None = None, reason: str = "") -> DeploymentPlan:
+        """``assemble``, then, where engines admit from memory, the same placement again at the batch its
+        memory admits (each phase's graph traced at that batch). A plan that cannot hold its weights and one
+        sequence is returned infeasible with the reason."""
+        plan = self.assemble(policy, targets, replicas, chosen, objective, device, reason)
+        adm = plan.admission
+        if adm is None or adm.max_seqs == self.batch:
+            return plan
+        if adm.max_seqs < 1:
+            plan.feasible = False
+            plan.reason = (reason + "; " if reason else "") + adm.limited_by
+            return plan
+        child = self.for_batch(adm.max_seqs)
+        phases = {p.phase: p for p in child.phases}
+        again = child.assemble(policy, targets, replicas, [(phases[ph.phase], m, a, info) for ph, m, a, info in chosen],
+                               objective, device, reason)
+        again.admission = adm
+        return again
+
+    def memory_shape(self, problems, targets: list[Target]) -> MemoryShape:
+        """The engine's memory per target as fixed bytes plus bytes per sequence in flight, over the (phase,
+        step problem, assignment) triples: each item counted once per target holding it, at the size the
+        phases placed there give it (a prefill target holds one prompt's state, not the decode batch's);
+        the repeated phase's state scales with the sequences, everything else is fixed."""
+        main = self.main_phase.phase
+        held: dict[tuple[str, int], tuple[float, bool]] = {}
+        for phase, sp, assignment in problems:
+            mem = sp.problem.memory
+            if mem is None:
+                continue
+            state = {name for name, b in sp.graph.buffers.items() if b.kind == "state"}
+            for k, w in mem.reads:
+                name, t = mem.item_names[w], int(assignment[k])
+                size, scales = float(mem.item_bytes[w]), phase.phase == main and name.split("[")[0] in state
+                old = held.get((name, t))
+                if old is None or size > old[0]:
+                    held[(name, t)] = (size, scales)
+        d = len(targets)
+        fixed, per_seq = np.zeros(d), np.zeros(d)
+        for (_, t), (size, scales) in held.items():
+            if scales:
+                per_seq[t] += size / max(self.batch, 1)
+            else:
+                fixed[t] += size
+        fixed += max((sp.activation_reserve for _, sp, _ in problems), default=0.0)
+        tokens = 0.0 if self.spec.family == "ssm" else float(self.main_phase.ctx or 0)
+        return MemoryShape([t.name for t in targets], np.array([t.device_bytes for t in targets], dtype=float),
+                           fixed, per_seq, tokens)
+
     def _finite_throughput(self, plan: DeploymentPlan, main: StepPlan, replicas: int) -> None:
-        """For a finite workload arriving at once (``fixed:``, ``images:``), throughput is outputs over the
+        """For a finite workload arriving at once (``fixed:``, ``images:``; not ``offline:``, which is
+        planned for its steady state), throughput is outputs over the
         makespan: the per-request work of all requests, or the waves of at most a batch in flight each
         taking a request's whole latency, whichever is longer. The steady state stays in ``extra``."""
         n = getattr(self.workload, "requests", None)
-        if n is None or isinstance(self.workload, PoissonWorkload) or plan.request_time_s <= 0:
-            return
+        if n is None or isinstance(self.workload, PoissonWorkload | OfflineWorkload) or plan.request_time_s <= 0:
+            return  # offline: enough requests to fill every engine, measured in the steady state
         waves = -(-n // (main.rows * replicas))
         one = plan.latency_s if self.unit == "images/s" else plan.ttft_s + main.repeats * plan.latency_s
         makespan = max(n * plan.request_time_s / replicas, waves * one)

@@ -27,6 +27,7 @@ import numpy as np
 from tessera.cost.features import block_of
 from tessera.errors import TesseraError
 from tessera.graph.layers import layer_structure
+from tessera.plan.admission import MemoryShape, admit, round_batch
 from tessera.plan.config import PolicyError
 from tessera.plan.context import PhaseSpec, PlanContext, PlanningError
 from tessera.plan.deployment import DeploymentPlan
@@ -113,7 +114,7 @@ def homogeneous(ctx: PlanContext, objective: str, device: str | None = None) -> 
         if not rctx.micro_batch_options(rctx.main_phase):  # a fixed M that does not split this replica's batch
             continue
         targets = cluster_targets(ctx.cluster, r, [rid])
-        plans.append(rctx.assemble("homogeneous", targets, r, _everywhere(rctx, targets, 0), objective, device=rid))
+        plans.append(rctx.assemble_admitted("homogeneous", targets, r, _everywhere(rctx, targets, 0), objective, device=rid))
     if not plans:
         return DeploymentPlan(model=ctx.model, cluster=ctx.cluster.describe(), workload=ctx.workload_text,
                               policy="homogeneous", applicable=True, feasible=False, device=rid, unit=ctx.unit,
@@ -122,7 +123,10 @@ def homogeneous(ctx: PlanContext, objective: str, device: str | None = None) -> 
 
 
 def _replica(ctx: PlanContext, replicas: int) -> PlanContext:
-    """The context of one of ``replicas`` replicas: the deployment's batch split evenly between them."""
+    """The context of one of ``replicas`` replicas: the deployment's batch split evenly between them, or,
+    where engines admit from memory, the most one engine may admit (its memory then decides)."""
+    if ctx.admits:
+        return ctx.for_batch(ctx.engine_cap(replicas)[0])
     return ctx.for_batch(max(1, ctx.batch // replicas))
 
 
@@ -132,7 +136,7 @@ def request_dist(ctx: PlanContext, objective: str) -> DeploymentPlan:
     parts = [homogeneous(ctx, "throughput", rid) for rid in types]
     fitting = [p for p in parts if p.feasible]
     idle = []
-    if len(fitting) > 1:  # the deployment's batch is shared: each type gets rows in proportion to its speed
+    if len(fitting) > 1 and not ctx.admits:  # a fixed batch is shared: each type gets rows in proportion to speed
         shares = split_rows(ctx.batch, [p.throughput for p in fitting])
         rows = {p.device: n for p, n in zip(fitting, shares, strict=True)}
         idle = [p.device for p in fitting if rows[p.device] == 0]
@@ -195,7 +199,7 @@ def prefill_decode(ctx: PlanContext, objective: str) -> DeploymentPlan:
                 m = rctx.fixed_m(ph)
                 k = rctx.step_problem(ph, targets, m).problem.kernels
                 chosen.append((ph, m, ((b if ph is main else a),) * k, {"method": "fixed"}))
-            plans.append(rctx.assemble("prefill-decode", targets, r, chosen, objective,
+            plans.append(rctx.assemble_admitted("prefill-decode", targets, r, chosen, objective,
                                        reason=f"prefill on {targets[a].name}, decode on {targets[b].name}"))
     return _best(plans, objective)
 
@@ -334,11 +338,11 @@ def attention_ffn(ctx: PlanContext, objective: str) -> DeploymentPlan:
             ms = (rctx.micro_batch_options(rctx.main_phase, minimum=1 if objective == "latency" else 2)
                   or rctx.micro_batch_options(rctx.main_phase))
             for m in ms:
-                try:
-                    results = _phase_chain(rctx, targets, m, objective, blocks=(att, ffn))
+                try:  # engines that admit from memory take the split at the batch it holds
+                    results = _phase_chain(rctx, targets, m, objective, blocks=(att, ffn), memory=not rctx.admits)
                 except (SolverError, PlanningError):
                     continue
-                plans += [rctx.assemble("attention-ffn", targets, r, chosen, objective,
+                plans += [rctx.assemble_admitted("attention-ffn", targets, r, chosen, objective,
                                         reason=f"attention on {targets[att].name}, FFN on {targets[ffn].name}")
                           for chosen in results]
     if not plans:
@@ -357,11 +361,12 @@ def _phase_loads(ctx: PlanContext, targets, chosen: Chosen) -> dict[str, np.ndar
 
 def _phase_chain(ctx: PlanContext, targets, m: int, objective: str, blocks: tuple[int, int] | None = None,
                  start=None, follow: bool = True, pin_state: bool = True, rounds: int = 1,
-                 expert_parts: int = 1) -> list[Chosen]:
+                 expert_parts: int = 1, memory: bool = True) -> list[Chosen]:
     """Solve the main phase (at M = m), then every other phase (where the main phase keeps its weights when
     ``follow``; with ``blocks`` = (attention target, FFN target), those kernels only there); then
     ``rounds`` times re-solve each phase balanced against the others' load (``expert_parts`` > 1: expert
-    GEMMs split into that many expert groups in every phase). Every round's result."""
+    GEMMs split into that many expert groups in every phase; ``memory`` False: the main phase is solved
+    without memory limits, for engines that then admit what their memory holds). Every round's result."""
     main = ctx.main_phase
     e = expert_parts
 
@@ -387,14 +392,15 @@ def _phase_chain(ctx: PlanContext, targets, m: int, objective: str, blocks: tupl
             out[ph.phase] = (ph, 1, a, inf)
         return out
 
-    main_a, info = _solve_folded(ctx, main, targets, m, objective, allowed_for(main, m), start, expert_parts=e)
+    main_a, info = _solve_folded(ctx, main, targets, m, objective, allowed_for(main, m), start, memory=memory,
+                                 expert_parts=e)
     chosen = {main.phase: (main, m, main_a, info), **others(main_a, None)}
     results = [[chosen[ph.phase] for ph in ctx.phases]]
     for _ in range(rounds if objective == "throughput" and len(ctx.phases) > 1 else 0):
         loads = _phase_loads(ctx, targets, results[-1])
         offsets = sum(v for k, v in loads.items() if k != main.phase) * main.rows / main.repeats / m
         main_a, info = _solve_folded(ctx, main, targets, m, objective, allowed_for(main, m), main_a,
-                                     offsets=offsets, expert_parts=e)
+                                     memory=memory, offsets=offsets, expert_parts=e)
         chosen = {main.phase: (main, m, main_a, info)}
         loads[main.phase] = _phase_loads(ctx, targets, [chosen[main.phase]])[main.phase]
         chosen.update(others(main_a, loads))
@@ -417,15 +423,14 @@ def layer_pipeline(outer: PlanContext, objective: str) -> DeploymentPlan:
             structure = layer_structure(sp.graph)
             merged = merge(sp.problem, layer_groups(structure, sp.problem.kernels))
             layers = sorted(structure.spans)
+            score = _pipeline_scorer(ctx, targets, m, merged, objective)
             scored = []
             for order, cuts in _pipelines(len(layers), len(targets)):
                 stage_of = np.searchsorted(np.array(cuts), np.arange(len(layers)), side="right")
                 a = tuple(order[s] for s in stage_of)
-                ev = evaluate(merged.problem, a)
-                if not ev.memory_ok:
-                    continue
-                key = ev.cycle_s * main.repeats / main.rows if objective == "throughput" else ev.critical_path_s
-                scored.append((key, a, order, cuts))
+                key = score(a)
+                if key is not None:
+                    scored.append((key, a, order, cuts))
             scored.sort(key=lambda s: s[0])
             for _, a, order, cuts in scored[:3]:
                 layer_device = dict(zip(layers, a, strict=True))
@@ -433,12 +438,47 @@ def layer_pipeline(outer: PlanContext, objective: str) -> DeploymentPlan:
                                                                    layer_device, order),
                            {"method": "exhaustive split search", "stages": [targets[o].name for o in order],
                             "split_after_layer": [layers[c - 1] for c in cuts]}) for ph in ctx.phases]
-                plan = ctx.assemble("layer-pipeline", targets, r, chosen, objective,
+                plan = ctx.assemble_admitted("layer-pipeline", targets, r, chosen, objective,
                                     reason="layers " + _ranges(layers, cuts, [targets[o].name for o in order]))
                 best = _better(best, plan, objective)
     if best is None:
         raise PlanningError("no layer split fits the devices' memory")
     return best
+
+
+def _pipeline_scorer(ctx: PlanContext, targets, m: int, merged, objective: str):
+    """Per-layer assignment -> the main phase's seconds per request (latency: its critical path), None where
+    it does not fit. Where engines admit from memory, each split admits what its memory holds: its resident
+    bytes and cycle are interpolated between the batch of ``ctx`` and half of it (both traced), at the batch
+    the split admits; the best splits are then assembled exactly."""
+    main = ctx.main_phase
+    half = round_batch(ctx.batch // 2, m)
+    if not ctx.admits or objective != "throughput" or half < m or half >= ctx.batch:
+        def fixed(a):
+            ev = evaluate(merged.problem, a)
+            if not ev.memory_ok:
+                return None
+            return ev.cycle_s * main.repeats / main.rows if objective == "throughput" else ev.critical_path_s
+        return fixed
+    small = ctx.for_batch(half)
+    sp_small = small.step_problem(small.main_phase, targets, m)
+    merged_small = merge(sp_small.problem, merged.groups)
+    reserve = ctx.step_problem(main, targets, m).activation_reserve
+    capacity = np.array([t.device_bytes for t in targets], dtype=float)
+    b0, b1 = ctx.batch, half
+    tokens = 0.0 if ctx.spec.family == "ssm" else float(main.ctx or 0)
+
+    def admitted(a):
+        ev0, ev1 = evaluate(merged.problem, a), evaluate(merged_small.problem, a)
+        r0, r1 = np.array(ev0.resident_bytes), np.array(ev1.resident_bytes)
+        per_seq = np.maximum(r0 - r1, 0.0) / (b0 - b1)
+        shape = MemoryShape([t.name for t in targets], capacity, r0 - per_seq * b0 + reserve, per_seq, tokens)
+        n = admit(shape, ctx.admission, b0, m).max_seqs
+        if n < 1:
+            return None
+        cycle = ev1.cycle_s + (ev0.cycle_s - ev1.cycle_s) * (n - b1) / (b0 - b1)
+        return cycle * main.repeats / n
+    return admitted
 
 
 def _pipelines(layers: int, devices: int):
@@ -497,6 +537,24 @@ def _promising_m(ctx: PlanContext, targets, objective: str, keep: int = 2) -> li
     return [m for _, m in sorted(scored)[:keep]]  # the most promising first
 
 
+def _tessera_batches(outer: PlanContext, seeds: list[DeploymentPlan]):
+    """(replicas, context, memory-limited solve) for every batch Tessera's search tries: each replica count
+    at the most an engine may admit; where engines admit from memory that batch is solved without memory
+    limits (admission then takes what the placement holds), and the batches the baselines' engines admitted
+    are solved again with the placement made to hold them."""
+    for r in outer.replica_counts():
+        ctx = _replica(outer, r)
+        yield r, ctx, not ctx.admits
+        if not ctx.admits:
+            continue
+        tried = {ctx.batch}
+        for b in seeds:
+            step = b.step(ctx.main_phase.phase)
+            if b.replicas == r and step is not None and step.batch not in tried:
+                tried.add(step.batch)
+                yield r, outer.for_batch(step.batch), True
+
+
 def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | None = None) -> DeploymentPlan:
     """Kernel placement over folded layers, replicas and M; never worse than the baselines it contains."""
     best = None
@@ -504,8 +562,7 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
     seeds = [b for b in (baselines or []) if b.applicable and b.feasible and b.policy != "request-dist"]
     began = outer.solve_seconds
     stopped = ""
-    for r in outer.replica_counts():
-        ctx = _replica(outer, r)
+    for r, ctx, memory in _tessera_batches(outer, seeds):
         main = ctx.main_phase
         targets = cluster_targets(ctx.cluster, r)
         if r > 1 and not ctx.can_hold(targets):
@@ -528,12 +585,12 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
                     break
                 try:
                     results = _phase_chain(ctx, targets, m, objective, None, start if parts == 1 else None,
-                                           follow, pin_state, expert_parts=parts)
+                                           follow, pin_state, expert_parts=parts, memory=memory)
                 except (SolverError, PlanningError) as e:
                     ctx.say(f"tessera: replicas {r}, M={m}: {e}")
                     continue
                 for chosen in results:
-                    best = _better(best, ctx.assemble("tessera", targets, r, chosen, objective), objective)
+                    best = _better(best, ctx.assemble_admitted("tessera", targets, r, chosen, objective), objective)
             ctx.say(f"tessera: replicas {r}, M={m}: best so far {best.throughput:,.1f} {ctx.unit}"
                     f"{'' if best.feasible else ' (does not fit memory)'}" if best else
                     f"tessera: replicas {r}, M={m}: no plan")

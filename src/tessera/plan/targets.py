@@ -45,6 +45,12 @@ class Target:
         """Bytes usable for weights, state and activations, over all the target's GPUs."""
         return self.spec.memory_bytes * MEMORY_USABLE * self.size
 
+    @property
+    def device_bytes(self) -> float:
+        """The memory of all the target's GPUs as their datasheets give it (engines admitting from memory
+        keep their own utilisation share of it)."""
+        return float(self.spec.memory_bytes * self.size)
+
     def price(self, scenario: str = "relative") -> float:
         """Price per hour of all the target's GPUs."""
         return self.spec.price(scenario) * self.size
