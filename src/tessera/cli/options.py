@@ -15,11 +15,12 @@ from tessera.capture.shapes import (
     GRAPHS,
 )
 from tessera.cost.options import CostOptions
-from tessera.plan.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_LLM, POLICIES, PlanConfig
+from tessera.plan.config import DEFAULT_MAX_BATCH, POLICIES, AdmissionConfig, PlanConfig
 from tessera.workload import DEFAULT_IMAGE_WORKLOAD, DEFAULT_TEXT_WORKLOAD
 
 _COST = CostOptions()
 _PLAN = PlanConfig(model="", cluster="")
+_ADMISSION = AdmissionConfig()
 
 MODEL = typer.Argument(..., help="Catalog name (see `tessera models`) or a local HF model directory.")
 PHASE = typer.Option("decode", "--phase", "-p", help="prefill|decode (LLM, MoE, SSM); "
@@ -46,6 +47,7 @@ GRAPH = typer.Option(DEFAULT_GRAPH, "--graph", help=f"Kernel graph to trace: {' 
 CLUSTER = typer.Option(..., "--cluster", help="Devices: shorthand such as A100:1,L40S:1 or a cluster YAML file "
                        "(see `tessera devices --cluster`).")
 WORKLOAD = typer.Option(None, "--workload", "-w", help="fixed:in=..,out=..,requests=.. | "
+                        "offline:prompts=azure-conv|FILE,out=..[,requests=N] | "
                         "poisson:rate=..,lengths=azure-conv|FILE[,requests=N] | images:steps=..,resolution=.. "
                         f"(default {DEFAULT_TEXT_WORKLOAD}; {DEFAULT_IMAGE_WORKLOAD} for diffusion).")
 POLICY = typer.Option(_PLAN.policy, "--policy", help=" | ".join(POLICIES) + ".")
@@ -54,6 +56,12 @@ PRICES = typer.Option(_PLAN.prices, "--prices", help="relative (published relati
                       "(estimated $/h).")
 ROUTING_SKEW = typer.Option(_PLAN.routing_skew, "--routing-skew", help="MoE routing skew (Zipf exponent; "
                             "0 = uniform).")
-MAX_BATCH = typer.Option(None, "--max-batch", help=f"Most sequences (images) in flight per replica (default "
-                         f"{DEFAULT_MAX_BATCH_LLM}; {DEFAULT_MAX_BATCH['diffusion']} for diffusion; at most the "
-                         "requests of a fixed workload).")
+MAX_BATCH = typer.Option(None, "--max-batch", help="A fixed batch: this many sequences (images) in flight in the "
+                         "deployment, shared by its replicas, instead of memory-bound admission (diffusion: "
+                         f"default {DEFAULT_MAX_BATCH['diffusion']} images per replica).")
+MAX_NUM_SEQS = typer.Option(_ADMISSION.max_num_seqs, "--max-num-seqs", help="Most sequences one engine admits "
+                            "(memory-bound admission: an engine admits while its devices' free memory holds the "
+                            "sequences' paged state).")
+MEMORY_UTILIZATION = typer.Option(_ADMISSION.memory_utilization, "--gpu-memory-utilization", help="Share of each "
+                                  "device's memory an engine uses for weights, activations and state.")
+BLOCK_SIZE = typer.Option(_ADMISSION.block_size, "--block-size", help="Tokens per paged KV block.")

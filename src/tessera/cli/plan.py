@@ -14,7 +14,7 @@ from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
 from tessera.errors import TesseraError
-from tessera.plan.config import PlanConfig
+from tessera.plan.config import AdmissionConfig, PlanConfig
 from tessera.plan.problem import OBJECTIVES
 
 _PLAN = PlanConfig(model="", cluster="")
@@ -29,6 +29,9 @@ def plan(
     cluster: str = opt.CLUSTER,
     workload: str = opt.WORKLOAD,
     max_batch: int = opt.MAX_BATCH,
+    max_num_seqs: int = opt.MAX_NUM_SEQS,
+    memory_utilization: float = opt.MEMORY_UTILIZATION,
+    block_size: int = opt.BLOCK_SIZE,
     policy: str = opt.POLICY,
     device: str = opt.DEVICE,
     objective: str = typer.Option(_PLAN.objective, "--objective", help=" | ".join(OBJECTIVES) + "."),
@@ -60,7 +63,8 @@ def plan(
             output = Path("tessera-plan.json")
         check_output_file(output, "--output", "plan.json")
         config = PlanConfig(model, cluster, workload, policy, objective, device, max_batch, prices,
-                            CostOptions(weights_dtype, kv_dtype), skew, cache_ctx, expert_split)
+                            CostOptions(weights_dtype, kv_dtype), skew, cache_ctx, expert_split,
+                            AdmissionConfig(max_num_seqs, memory_utilization, block_size))
         ctx = PlanContext.from_config(config, progress=lambda s: _err.print(f"[dim]{s}[/]"))
         text, cl = ctx.workload_text, ctx.cluster
         _err.print(f"[dim]planning {model} on {cl.describe()} for {text}[/]")
@@ -121,6 +125,11 @@ def _table(plans, ctx, objective: str) -> None:
         table.add_row(*row, str(decode.micro_batches) if decode else "-")
         mem = ", ".join(f"{t} {b / 1e9:.1f} GB" for t, b in zip(p.targets, p.memory_bytes, strict=False))
         extra = f"{p.replicas} replicas; " if p.replicas > 1 else ""
+        admits = [(r.get("device"), r["admission"]) for r in p.extra.get("replicas", []) if r.get("admission")]
+        if p.admission is not None:
+            admits = [(None, p.admission.__dict__)]
+        extra += "".join(f"{dev + ' ' if dev else ''}engines admit {a['max_seqs']} sequences ({a['limited_by']}); "
+                         for dev, a in admits)
         notes.append(f"{name}: {extra}memory {mem}" + (f"; {p.reason}" if p.reason else ""))
     _out.print(table)
     for line in notes:

@@ -13,7 +13,7 @@ from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
 from tessera.errors import TesseraError
-from tessera.plan.config import PlanConfig
+from tessera.plan.config import AdmissionConfig, PlanConfig
 from tessera.sim.config import SimulationConfig
 
 _SIM = SimulationConfig(PlanConfig(model="", cluster=""))
@@ -34,6 +34,9 @@ def simulate(
     plan_file: Path = typer.Option(None, "--plan", help="Simulate this plan file (from `tessera plan -o`) "
                                    "instead of planning --policy."),
     max_batch: int = opt.MAX_BATCH,
+    max_num_seqs: int = opt.MAX_NUM_SEQS,
+    memory_utilization: float = opt.MEMORY_UTILIZATION,
+    block_size: int = opt.BLOCK_SIZE,
     max_context: int = typer.Option(_SIM.max_context, "--max-context", help="Longest prompt + output a "
                                     "request may have; longer ones are rejected."),
     seed: int = typer.Option(_SIM.seed, "--seed", help="Seed of the arrivals and lengths of a poisson workload."),
@@ -53,7 +56,9 @@ def simulate(
     try:
         config = SimulationConfig(PlanConfig(model, cluster, workload, policy, device=device, max_batch=max_batch,
                                              prices=prices, cost=CostOptions(weights_dtype, kv_dtype),
-                                             routing_skew=skew), plan_file, max_context, seed)
+                                             routing_skew=skew,
+                                             admission=AdmissionConfig(max_num_seqs, memory_utilization, block_size)),
+                                  plan_file, max_context, seed)
         ctx, plan = config.deployment(progress=lambda s: _err.print(f"[dim]{s}[/]"))
         with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=_err, transient=True, disable=as_json) as bar:
