@@ -80,7 +80,7 @@ def plan(
         figure = None
         if output is not None and chosen.applicable and chosen.steps:
             write_output(output, "--output", chosen.save, "plan.json")
-            if "replicas" not in chosen.extra:  # request distribution has no kernel split to draw
+            if "replicas" not in chosen.extra and "routes" not in chosen.extra:  # engines of their own: no one grid
                 figure = write_output(output.with_suffix(".png"), "--output",
                                       lambda png: placement_figure(ctx, chosen, png), "plan.png")
     except TesseraError as e:
@@ -94,7 +94,7 @@ def plan(
         _out.print(f"{other} step plans in the same residency (batch {o['batch']}): {o['throughput']:,.0f} "
                    f"{chosen.unit}, {_ms(o['latency_s'])} per {'image' if chosen.unit == 'images/s' else 'output token'}")
     if output is not None and chosen.steps:
-        drawn = f"; placement figure: {figure}" if figure else " (request distribution: no kernel split to draw)"
+        drawn = f"; placement figure: {figure}" if figure else " (several engines: no single kernel split to draw)"
         _out.print(f"plan ({chosen.policy}) written to {output}{drawn}")
 
 

@@ -32,6 +32,8 @@ class MemoryShape:
     fixed: np.ndarray  # weights, activation reserve, once-per-request phases' state
     per_sequence: np.ndarray  # the repeated phase's state of one sequence
     tokens_per_sequence: float  # cache tokens a sequence holds on average (0: the state does not grow)
+    weights: np.ndarray | None = None  # the weights' share of ``fixed`` per target
+    reserve: float = 0.0  # the activation reserve included in ``fixed`` (every target)
 
 
 def round_batch(n: int, micro_batches: int = 1) -> int:

@@ -333,6 +333,7 @@ class PlanContext:
                             self.engine_cap(replicas)[1]) if self.admits else None)
         plan.throughput = replicas * self.outputs_per_request / t_req if t_req > 0 else 0.0
         plan.cost_per_hour = replicas * sum(targets[t].price(self.price_scenario) for t in used)
+        plan.extra["memory_parts"] = {"weights": shape.weights.tolist(), "reserve": shape.reserve}
         before_main = [s for s in steps if self._order(s.phase) < self._order(main.phase)]
         after_main = [s for s in steps if self._order(s.phase) > self._order(main.phase)]
         move_s = sum(mv.seconds_per_request for mv in moves)
@@ -375,7 +376,7 @@ class PlanContext:
         phases placed there give it (a prefill target holds one prompt's state, not the decode batch's);
         the repeated phase's state scales with the sequences, everything else is fixed."""
         main = self.main_phase.phase
-        held: dict[tuple[str, int], tuple[float, bool]] = {}
+        held: dict[tuple[str, int], tuple[float, bool, bool]] = {}
         for phase, sp, assignment in problems:
             mem = sp.problem.memory
             if mem is None:
@@ -383,21 +384,24 @@ class PlanContext:
             state = {name for name, b in sp.graph.buffers.items() if b.kind == "state"}
             for k, w in mem.reads:
                 name, t = mem.item_names[w], int(assignment[k])
-                size, scales = float(mem.item_bytes[w]), phase.phase == main and name.split("[")[0] in state
+                is_state = name.split("[")[0] in state
+                size, scales = float(mem.item_bytes[w]), phase.phase == main and is_state
                 old = held.get((name, t))
                 if old is None or size > old[0]:
-                    held[(name, t)] = (size, scales)
+                    held[(name, t)] = (size, scales, is_state)
         d = len(targets)
-        fixed, per_seq = np.zeros(d), np.zeros(d)
-        for (_, t), (size, scales) in held.items():
+        fixed, per_seq, weights = np.zeros(d), np.zeros(d), np.zeros(d)
+        for (_, t), (size, scales, is_state) in held.items():
             if scales:
                 per_seq[t] += size / max(self.batch, 1)
             else:
                 fixed[t] += size
-        fixed += max((sp.activation_reserve for _, sp, _ in problems), default=0.0)
+            if not is_state:
+                weights[t] += size
+        reserve = max((sp.activation_reserve for _, sp, _ in problems), default=0.0)
         tokens = 0.0 if self.spec.family == "ssm" else float(self.main_phase.ctx or 0)
         return MemoryShape([t.name for t in targets], np.array([t.device_bytes for t in targets], dtype=float),
-                           fixed, per_seq, tokens)
+                           fixed + reserve, per_seq, tokens, weights, reserve)
 
     def _finite_throughput(self, plan: DeploymentPlan, main: StepPlan, replicas: int) -> None:
         """For a finite workload arriving at once (``fixed:``, ``images:``; not ``offline:``, which is

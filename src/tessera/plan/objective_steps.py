@@ -26,8 +26,9 @@ def add_objective_steps(ctx: PlanContext, plan: DeploymentPlan, objective: str) 
     """Add ``objective`` step plans (M = 1 for latency; the primary plan's M for throughput) to ``plan``."""
     from tessera.plan.policies import _solve_folded, residency_allowed
 
-    if not plan.applicable or "replicas" in plan.extra or any(s.objective == objective for s in plan.steps):
-        return plan  # request distribution: each replica is a homogeneous deployment of its own
+    if (not plan.applicable or "replicas" in plan.extra or "routes" in plan.extra
+            or any(s.objective == objective for s in plan.steps)):
+        return plan  # request distribution, route mixes: each engine is a deployment of its own
     targets = plan_targets(ctx, plan)
     primary = {s.phase: s for s in plan.steps}
     main = max(primary.values(), key=lambda s: s.repeats)

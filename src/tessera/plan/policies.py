@@ -33,6 +33,7 @@ from tessera.plan.context import PhaseSpec, PlanContext, PlanningError
 from tessera.plan.deployment import DeploymentPlan
 from tessera.plan.fold import layer_groups, merge
 from tessera.plan.milp import SolverError, solve_placement
+from tessera.plan.mixes import best_mix
 from tessera.plan.problem import PlacementProblem
 from tessera.plan.step_evaluation import evaluate
 from tessera.plan.targets import Target, cluster_targets
@@ -537,6 +538,16 @@ def _promising_m(ctx: PlanContext, targets, objective: str, keep: int = 2) -> li
     return [m for _, m in sorted(scored)[:keep]]  # the most promising first
 
 
+def _route_mix(ctx: PlanContext, objective: str, plans: list[DeploymentPlan]) -> DeploymentPlan | None:
+    """The best mix of two single-engine plans sharing the cluster (`tessera.plan.mixes`), for the
+    steady-state throughput of deployments (not runtime plans, not finite workloads arriving at once)."""
+    if objective != "throughput" or ctx.single_replica or any("makespan_s" in p.extra for p in plans):
+        return None
+    prices = {t.name: t.price(ctx.price_scenario) for t in cluster_targets(ctx.cluster, 1)}
+    candidates = [p for p in plans if p.applicable and p.feasible and "tie_with" not in p.extra]
+    return best_mix(candidates, ctx.outputs_per_request, prices, objective, ctx.price_scenario)
+
+
 def _tessera_batches(outer: PlanContext, seeds: list[DeploymentPlan]):
     """(replicas, context, memory-limited solve) for every batch Tessera's search tries: each replica count
     at the most an engine may admit; where engines admit from memory that batch is solved without memory
@@ -611,6 +622,9 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
             best = tie
     if best is None:
         raise PlanningError("Tessera found no plan that fits the devices' memory")
+    mix = _route_mix(ctx, objective, [*(baselines or []), best])
+    if mix is not None and _better(best, mix, objective) is mix:
+        best = mix
     if stopped:
         best.extra["search"] = stopped
     return best

@@ -21,7 +21,7 @@ import numpy as np
 from tessera.errors import TesseraError
 from tessera.hardware.cluster import Link
 from tessera.plan.context import PlanContext
-from tessera.plan.deployment import DeploymentPlan, StepPlan
+from tessera.plan.deployment import DeploymentPlan, StateMove, StepPlan
 from tessera.plan.targets import Target, cluster_targets
 from tessera.sched.scheduler import (
     DEFAULT_MAX_CONTEXT,
@@ -44,6 +44,7 @@ class Lane:
     """Phases that share targets, so their steps take turns."""
 
     phases: set[str]
+    devices: frozenset[str] = frozenset()  # cluster targets it shares with other engines' lanes (route mixes)
     busy_until: float = 0.0
     step: ScheduledStep | None = None
     start_s: float = 0.0
@@ -78,8 +79,10 @@ def _match_targets(ctx: PlanContext, names: list[str], replicas: int, types: lis
     return [offered[n] for n in names]
 
 
-def _lanes(steps: list[StepPlan]) -> list[Lane]:
-    """Phases grouped so that phases whose targets overlap share a lane."""
+def _lanes(steps: list[StepPlan], shared: list[Target] | None = None) -> list[Lane]:
+    """Phases grouped so that phases whose targets overlap share a lane (``shared``: the engine's targets,
+    which other engines' lanes also use: a lane then waits while another engine's lane on one of its
+    devices runs a step)."""
     groups: list[tuple[set[str], set[int]]] = []
     for s in steps:
         used = set(s.assignment) | {t for parts in s.expert_parts.values() for t in parts}
@@ -90,15 +93,15 @@ def _lanes(steps: list[StepPlan]) -> list[Lane]:
             phases |= g[0]
             targets |= g[1]
         groups.append((phases, targets))
-    return [Lane(p) for p, _ in groups]
+    return [Lane(p, frozenset(shared[t].name for t in used) if shared else frozenset()) for p, used in groups]
 
 
-def _delays(plan: DeploymentPlan, steps: list[StepPlan]) -> dict[str, float]:
+def _delays(moves: list[StateMove], steps: list[StepPlan]) -> dict[str, float]:
     """Per phase, the state moves a request waits for before its first step of that phase."""
     out: dict[str, float] = {}
     for s in steps:
         used = set(s.assignment)
-        out[s.phase] = sum(mv.seconds_per_request for mv in plan.state_moves if mv.dst in used and mv.src not in used)
+        out[s.phase] = sum(mv.seconds_per_request for mv in moves if mv.dst in used and mv.src not in used)
     return out
 
 
@@ -124,18 +127,28 @@ def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throug
         raise SimulationSetupError(f"{plan.policy} does not apply to {plan.model}: {plan.reason}")
     if not plan.feasible:
         raise SimulationSetupError(f"the {plan.policy} plan is not feasible: {plan.reason}")
-    parts: list[tuple[str, int, list[Target], list[StepPlan], float]] = []
+    parts: list[tuple[str, int, list[Target], list[StepPlan], float, list[StateMove], bool]] = []
     summaries = plan.extra.get("replicas")
+    routes = plan.extra.get("routes")
     if summaries:  # request-dist: each device type's own replicas
         for part in summaries:
             steps = [s for s in plan.steps if s.objective == objective and s.solver.get("replica_of") == part["device"]]
             targets = _match_targets(ctx, part["targets"], part["replicas"], [part["device"]])
-            parts.append((part["device"], part["replicas"], targets, steps, part["throughput"] / part["replicas"]))
+            parts.append((part["device"], part["replicas"], targets, steps, part["throughput"] / part["replicas"],
+                          plan.state_moves, False))
+    elif routes:  # a route mix: engines of their own placements sharing the cluster's devices
+        for k, route in enumerate(routes):
+            steps = [s for s in plan.steps if s.objective == objective and s.solver.get("route_of") == k]
+            targets = _match_targets(ctx, route["targets"], 1, None)
+            name = route["policy"] + (f" ({route['device']})" if route.get("device") else "")
+            parts.append((name, 1, targets, steps, route["throughput"],
+                          [StateMove(**m) for m in route["state_moves"]], True))
     else:
         steps = [s for s in plan.steps if s.objective == objective]
         types = [plan.device] if plan.device else None
         targets = _match_targets(ctx, plan.targets, plan.replicas, types)
-        parts.append((plan.policy, plan.replicas, targets, steps, plan.throughput / max(plan.replicas, 1)))
+        parts.append((plan.policy, plan.replicas, targets, steps, plan.throughput / max(plan.replicas, 1),
+                      plan.state_moves, False))
     family = ctx.spec.family
     denoise = ctx.workload.steps if isinstance(ctx.workload, ImagesWorkload) else 28
     if family == "vlm":  # a prompt holds the image's tokens: no prompt bucket may be shorter
@@ -143,7 +156,7 @@ def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throug
         meta = ctx.graph(prefill).meta
         min_prompt = max(min_prompt, int(meta["image_start"]) + int(meta["image_tokens"]))
     engines = []
-    for name, count, targets, steps, speed in parts:
+    for name, count, targets, steps, speed, moves, shared in parts:
         if not steps:
             raise SimulationSetupError(f"the {plan.policy} plan has no {objective} step plans")
         timer = _timer(ctx, steps, targets, feedback_s, link)
@@ -154,8 +167,8 @@ def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throug
                 buckets = Buckets(buckets.batch, buckets.seq)
             sched = Scheduler(stages_for(family, denoise), main.batch, buckets,
                               None if family == "diffusion" else max_context)
-            engines.append(Engine(f"{name}#{r}" if count > 1 else name, sched, timer, _lanes(steps), speed,
-                                  _delays(plan, steps)))
+            engines.append(Engine(f"{name}#{r}" if count > 1 else name, sched, timer,
+                                  _lanes(steps, targets if shared else None), speed, _delays(moves, steps)))
     return engines
 
 
@@ -211,6 +224,7 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
     now = 0.0
     total = len(pending)
     reported = 0
+    mixed = any(lane.devices for e in engines for lane in e.lanes)
     while True:
         # finish steps that end now
         for e in engines:
@@ -221,17 +235,22 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
         while nxt < total and pending[nxt].arrival_s <= now:
             _route(engines, pending[nxt]).scheduler.submit(pending[nxt])
             nxt += 1
-        for e in engines:
-            for lane in e.lanes:
-                if lane.step is not None:
-                    continue
-                step = e.scheduler.next_step(now, lane.phases)
-                if step is None:
-                    continue
-                dur = _duration(e, lane, step, now)
-                lane.step, lane.start_s, lane.busy_until, lane.last_bucket = step, now, now + dur, step.bucket
-                lane.busy_s += dur
-                e.steps += 1
+        order = [(e, lane) for e in engines for lane in e.lanes]
+        if mixed:  # lanes that started a step least recently go first, so lanes sharing a device take turns
+            order.sort(key=lambda el: el[1].start_s)
+        for e, lane in order:
+            if lane.step is not None:
+                continue
+            if lane.devices and any(other.step is not None and other.devices & lane.devices
+                                    for f in engines for other in f.lanes):
+                continue  # another engine's step holds one of its devices: steps take turns
+            step = e.scheduler.next_step(now, lane.phases)
+            if step is None:
+                continue
+            dur = _duration(e, lane, step, now)
+            lane.step, lane.start_s, lane.busy_until, lane.last_bucket = step, now, now + dur, step.bucket
+            lane.busy_s += dur
+            e.steps += 1
         candidates = [lane.busy_until for e in engines for lane in e.lanes if lane.step is not None]
         if nxt < total:
             candidates.append(pending[nxt].arrival_s)

@@ -1,0 +1,184 @@
+"""Request-route mixes: engines of different placements sharing one cluster, requests split between them.
+
+A route is one engine's placement of every phase (a homogeneous engine on one device, prefill on one
+device and decode on another, a kernel split over both...), at the batch its memory admits. Two routes
+may share a device: one GPU prefilling for every request and decoding some of them itself, the other
+GPU decoding the rest. Per request, a route occupies each device it uses for the cycle of every phase
+placed there (``repeats / rows x cycle``; a phase's step holds its devices for its whole cycle, so two
+routes' steps on one device take turns and never overlap) and each directed link for its transfers and
+state moves. The mix sends ``rate_r`` requests per second to route r, as large as the devices allow:
+
+    maximise sum_r rate_r   s.t.   sum_r rate_r x occupancy_r[d] <= 1 on every device and link,
+                                   rate_r <= 1 / request time of r alone
+
+a small LP (HiGHS). Memory: the routes sharing a device hold their weights there once (when one route's
+weights on it are a subset of the other's) and each its own state, and the sum must fit; routes that do
+not fit together are not mixed. Throughput is outputs per request x sum_r rate_r.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import highspy
+import numpy as np
+
+from tessera.plan.deployment import DeploymentPlan
+
+
+@dataclass
+class Route:
+    """One engine of a mix: its plan, and what one request costs it on each cluster target and link."""
+
+    plan: DeploymentPlan
+    occupancy: dict[str, float]  # cluster target name -> seconds per request
+    links: dict[tuple[str, str], float] = field(default_factory=dict)  # (src, dst) -> seconds per request
+    max_rate: float = 0.0  # requests/s of the route alone
+
+    @property
+    def name(self) -> str:
+        return self.plan.policy + (f" ({self.plan.device})" if self.plan.device else "")
+
+
+def route_of(plan: DeploymentPlan, objective: str = "throughput") -> Route | None:
+    """The route of a single-engine plan (None for plans of several engines or without step plans)."""
+    if plan.replicas != 1 or "replicas" in plan.extra or "routes" in plan.extra or not plan.feasible:
+        return None
+    steps = [s for s in plan.steps if s.objective == objective]
+    if not steps or plan.request_time_s <= 0:
+        return None
+    occupancy: dict[str, float] = {}
+    links: dict[tuple[str, str], float] = {}
+    for s in steps:
+        used = set(s.assignment) | {t for parts in s.expert_parts.values() for t in parts}
+        for t in used:
+            occupancy[plan.targets[t]] = occupancy.get(plan.targets[t], 0.0) + s.per_request * s.cycle_s
+        for i, row in enumerate(s.link_s):
+            for j, sec in enumerate(row):
+                if sec > 0:
+                    key = (plan.targets[i], plan.targets[j])
+                    links[key] = links.get(key, 0.0) + s.per_request * sec
+    for mv in plan.state_moves:
+        key = (plan.targets[mv.src], plan.targets[mv.dst])
+        links[key] = links.get(key, 0.0) + mv.seconds_per_request
+    return Route(plan, occupancy, links, 1.0 / plan.request_time_s)
+
+
+def fit_together(routes: list[Route]) -> bool:
+    """Whether the routes' weights (once per device where one route's are a subset of another's) and their
+    state fit every device they share."""
+    for name in {t for r in routes for t in r.plan.targets}:
+        parts = []
+        for r in routes:
+            if name not in r.plan.targets:
+                continue
+            i = r.plan.targets.index(name)
+            mem = r.plan.extra.get("memory_parts")
+            if mem is None:
+                return False
+            held = {item for item, where in r.plan.residency.items() if i in where and not item.startswith("cache")}
+            parts.append((held, mem["weights"][i], r.plan.memory_bytes[i] - mem["weights"][i] - mem["reserve"],
+                          mem["reserve"], r.plan.memory_capacity[i]))
+        if len(parts) < 2:
+            continue
+        parts.sort(key=lambda p: -p[1])
+        weights, items = parts[0][1], set(parts[0][0])
+        for held, w, _, _, _ in parts[1:]:
+            if not held <= items:
+                weights += w
+                items |= held
+        need = weights + sum(p[2] for p in parts) + max(p[3] for p in parts)
+        if need > min(p[4] for p in parts) * (1 + 1e-9):
+            return False
+    return True
+
+
+def best_rates(routes: list[Route]) -> np.ndarray:
+    """The LP's requests/s per route (see the module docstring)."""
+    devices = sorted({t for r in routes for t in r.occupancy})
+    links = sorted({k for r in routes for k in r.links})
+    n = len(routes)
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.addVars(n, np.zeros(n), np.array([r.max_rate for r in routes]))
+    h.changeColsCost(n, np.arange(n, dtype=np.int32), -np.ones(n))
+    rows = [[r.occupancy.get(d, 0.0) for r in routes] for d in devices] + \
+        [[r.links.get(k, 0.0) for r in routes] for k in links]
+    for row in rows:
+        idx = np.array([i for i, v in enumerate(row) if v > 0], dtype=np.int32)
+        if len(idx):
+            h.addRow(-highspy.kHighsInf, 1.0, len(idx), idx, np.array([row[i] for i in idx]))
+    h.run()
+    return np.clip(np.array(h.getSolution().col_value[:n], dtype=float), 0.0, None)
+
+
+def best_mix(plans: list[DeploymentPlan], outputs_per_request: float, prices: dict[str, float],
+             objective: str = "throughput", price_scenario: str = "relative") -> DeploymentPlan | None:
+    """The best mix of two routes among single-engine ``plans`` (None when no pair beats its better route);
+    ``prices``: each cluster target's price per hour."""
+    routes = [r for r in (route_of(p, objective) for p in plans) if r is not None]
+    best, best_rate = None, 0.0
+    for pair in itertools.combinations(routes, 2):
+        pair = list(pair)
+        if not fit_together(pair):
+            continue
+        rates = best_rates(pair)
+        total = float(rates.sum())
+        alone = max(r.max_rate for r in pair)
+        if total > alone * (1 + 1e-6) and rates.min() > 0 and total > best_rate:
+            best, best_rate = (pair, rates), total
+    if best is None:
+        return None
+    return _mix_plan(*best, outputs_per_request, prices, objective, price_scenario)
+
+
+def _mix_plan(routes: list[Route], rates: np.ndarray, outputs: float, prices: dict[str, float], objective: str,
+              price_scenario: str) -> DeploymentPlan:
+    """The deployment plan of a mix: both routes' step plans (tagged with their route), memory per device."""
+    first = routes[0].plan
+    names = sorted({t for r in routes for t in r.plan.targets}, key=lambda t: min(
+        (r.plan.targets.index(t) + 100 * k for k, r in enumerate(routes) if t in r.plan.targets)))
+    memory, capacity = [], []
+    for name in names:
+        holders = [r.plan for r in routes if name in r.plan.targets]
+        used = [p.memory_bytes[p.targets.index(name)] for p in holders]
+        weights = [p.extra["memory_parts"]["weights"][p.targets.index(name)] for p in holders]
+        memory.append(sum(used) - sum(weights) + max(weights) if len(holders) > 1 else used[0])
+        capacity.append(holders[0].memory_capacity[holders[0].targets.index(name)])
+    total = float(rates.sum())
+    shares = rates / total
+    plan = DeploymentPlan(
+        model=first.model, cluster=first.cluster, workload=first.workload, policy="tessera", applicable=True,
+        feasible=True, targets=names, replicas=1, memory_bytes=memory, memory_capacity=capacity, unit=first.unit,
+        throughput=total * outputs, price_scenario=price_scenario,
+        latency_s=max(r.plan.latency_s for r in routes), ttft_s=max(r.plan.ttft_s for r in routes),
+        request_time_s=1.0 / total, bottleneck=_bottleneck(routes, rates),
+        reason="route mix: " + ", ".join(f"{s:.0%} of requests {_describe(r)}" for r, s in
+                                         zip(routes, shares, strict=True)))
+    used = {t for r in routes for s in r.plan.steps if s.objective == objective
+            for t in (r.plan.targets[i] for i in set(s.assignment))}
+    plan.cost_per_hour = sum(prices[t] for t in used)
+    for k, r in enumerate(routes):
+        offset = {i: names.index(t) for i, t in enumerate(r.plan.targets)}
+        for s in r.plan.steps:
+            plan.steps.append(type(s)(**{**s.__dict__, "solver": dict(s.solver, route_of=k, target_map=[
+                offset[i] for i in range(len(r.plan.targets))])}))
+    plan.extra["routes"] = [dict(r.plan.summary(), rate=float(rates[k]), share=float(shares[k]),
+                                 route=_describe(r), throughput=float(rates[k]) * outputs,
+                                 residency=r.plan.residency, state_moves=[m.__dict__ for m in r.plan.state_moves])
+                            for k, r in enumerate(routes)]
+    return plan
+
+
+def _describe(r: Route) -> str:
+    return f"on {r.name}" + (f" ({r.plan.reason})" if r.plan.reason and r.plan.policy != "homogeneous" else "")
+
+
+def _bottleneck(routes: list[Route], rates: np.ndarray) -> str:
+    load: dict[str, float] = {}
+    for r, rate in zip(routes, rates, strict=True):
+        for t, sec in r.occupancy.items():
+            load[t] = load.get(t, 0.0) + rate * sec
+    busy = [t for t, v in load.items() if v >= 1 - 1e-6]
+    return "compute on " + " and ".join(sorted(busy)) if busy else "each route's own cycle"
