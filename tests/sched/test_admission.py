@@ -189,3 +189,19 @@ def test_request_dist_engines_admit_from_their_device_types_admission():
                 key=lambda s: s.repeats).batch
     assert {e.name: (e.scheduler.slots, e.scheduler.kv) for e in engines_for(ctx, plan)}[parts[1]["device"]] == \
         (batch, None)
+
+
+def test_simulate_cli_reports_the_preemptions_of_a_plan_file(small, tmp_path):
+    from typer.testing import CliRunner
+
+    from tessera.cli.main import app
+
+    ctx, plan = small
+    plan.admission = EngineAdmission(max_seqs=4, kv_tokens=9 * 16, block_size=16, limited_by="memory on A100")
+    expected = simulate(ctx, plan).preemptions
+    path = plan.save(tmp_path / "plan.json")
+    res = CliRunner().invoke(app, ["simulate", "smollm2-135m", "--cluster", "A100:1", "-w", WORKLOAD, "--plan",
+                                   str(path)])
+    assert res.exit_code == 0, res.output
+    row = next(line for line in res.stdout.splitlines() if "preemptions" in line)
+    assert expected > 0 and row.split("│")[2].strip() == f"{expected:,}"

@@ -5,13 +5,13 @@ timed at the kernel level (:class:`~tessera.sim.step_timer.StepTimer`).
 A deployment runs as replicas (engines). Each engine has its own scheduler and lanes. The scheduler
 admits as the plan's engine admission says (``EngineAdmission``: at most ``max_seqs`` sequences, and,
 for a cache that grows with the context, while its ``kv_tokens`` in blocks of ``block_size`` last,
-preempting by recompute when they run out); a plan without one (an old plan file) admits up to its
-step plan's batch. On lanes, phases whose step plans use disjoint targets
-run concurrently (prefill-decode disaggregation); phases sharing a target take turns. A step occupies its lane for the step's time at
-its bucket: alone (``first_s``) after a pause or a change of bucket, or the streamed period when the
-same bucket runs again back to back. An explicit state move between phases (KV after a prefill on
-another device) holds the request back by the move's time. Arrivals go to the engine with the least
-outstanding work for its speed.
+preempting by recompute when they run out); a plan without one (an old plan file) admits up to its step
+plan's batch. On lanes, phases whose step plans use disjoint targets run concurrently (prefill-decode
+disaggregation); phases sharing a target take turns. A step occupies its lane for the step's time at its
+bucket: alone (``first_s``) after a pause or a change of bucket, or the streamed period when the same
+bucket runs again back to back. An explicit state move between phases (KV after a prefill on another
+device) holds the request back by the move's time. Arrivals go to the engine with the least outstanding
+work for its speed.
 """
 
 from __future__ import annotations
