@@ -205,3 +205,25 @@ def test_simulate_cli_reports_the_preemptions_of_a_plan_file(small, tmp_path):
     assert res.exit_code == 0, res.output
     row = next(line for line in res.stdout.splitlines() if "preemptions" in line)
     assert expected > 0 and row.split("│")[2].strip() == f"{expected:,}"
+
+
+def test_a_row_waits_while_the_latest_admitted_is_inside_a_prefill_on_another_lane():
+    # prefill and decode on separate lanes (disaggregated): 5 blocks of 16, 32-token prompts (2 blocks each)
+    sched = _sched(5, slots=4, max_context=256, min_seq=16)
+    sched.submit(Request("a", 0.0, 32, 40))
+    sched.submit(Request("b", 0.0, 32, 40))
+    first = sched.next_step(0.0, {"prefill"})
+    sched.complete(first, 0.0, 1.0)
+    now = 1.0
+    for _ in range(17):  # a's decode steps j = 0 .. 16 (its 3rd block at j = 1): 2 blocks stay free
+        step = sched.next_step(now, {"decode"})
+        sched.complete(step, now, now + 1.0)
+        now += 1.0
+    b = sched.next_step(now, {"prefill"})  # b admitted (2 blocks) and prefilling, not completed yet
+    assert [r.id for r in b.requests] == ["b"] and sched.free_blocks == 0
+    # j = 17 needs a's 4th block: the latest admitted (b) is inside its prefill, so a waits instead of going
+    assert sched.next_step(now, {"decode"}) is None and sched.preemptions == 0
+    sched.complete(b, now, now + 1.0)
+    step = sched.next_step(now + 1.0, {"decode"})  # b's prefill ended: b is preempted, a takes the block
+    assert [r.id for r in step.requests] == ["a"] and sched.preemptions == 1 and sched.waiting[0].id == "b"
+    assert sched.waiting[0].generated == 0 and sched.free_blocks == 1

@@ -30,9 +30,10 @@ KV blocks for the tokens in its cache, ceil(tokens / block_size). Admission is f
 free blocks cover its whole prompt, ceil(input / block_size) blocks: the input - 1 tokens its prefill
 writes plus the last prompt token its first decode step writes (what vLLM allocates for a prompt).
 Before each batched step every row gets the block its next token needs (a new block each time its
-context crosses a block boundary); when none is free the most recently admitted running request that
-is not inside a step is preempted by recompute: its blocks and slot are freed and it goes back to the
-front of the waiting queue, keeping the tokens it generated. Readmitted, it runs its stages again from
+context crosses a block boundary); when none is free the most recently admitted running request is
+preempted by recompute: its blocks and slot are freed and it goes back to the front of the waiting
+queue, keeping the tokens it generated (when that request is inside a step on another lane, a
+disaggregated prefill, the row waits for the step to end instead). Readmitted, it runs its stages again from
 the first, its prefill over prompt + generated tokens but the last (which its next decode step feeds)
 at that length's prompt bucket, then decodes the outputs it still owes (each output counts once). A
 request whose whole context (input + output) needs more blocks than the budget is rejected at submit.
@@ -170,7 +171,7 @@ class Request:
     rejected: str | None = None
     blocks: int = 0  # KV blocks it holds (a scheduler with a KV budget)
     preemptions: int = 0  # times it was preempted (by recompute) for lack of KV blocks
-    in_step: bool = False  # part of a step handed out and not completed yet (never preempted then)
+    in_step: bool = False  # part of a step handed out and not completed yet (not preempted then)
 
     @property
     def context(self) -> int:
@@ -329,8 +330,10 @@ class Scheduler:
                 continue
             need = self.kv.blocks_for(req.context) - req.blocks
             while need > self._free_blocks:
-                # ``req`` itself is a candidate, so a victim always exists
-                victim = next(v for v in reversed(self.running) if not v.in_step)
+                victim = self.running[-1]
+                if victim.in_step:  # inside a step on another lane (a prefill): ``req`` waits for it to end
+                    gone.add(id(req))
+                    break
                 self._preempt(victim, now)
                 gone.add(id(victim))
                 if victim is req:
