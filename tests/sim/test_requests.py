@@ -128,9 +128,10 @@ def test_simulate_cli_json_and_errors(tmp_path):
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
     for key in ("throughput", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "norm_latency_s", "completed",
-                "rejected"):
+                "rejected", "preemptions"):
         assert key in data
     assert data["completed"] == 8 and data["rejected"] == 0 and data["policy"] == "layer-pipeline"
+    assert data["preemptions"] == 0  # a plan without admission: slots alone
     res = runner.invoke(app, [*args, "--max-context", "0"])
     assert res.exit_code != 0 and "--max-context must be at least 1" in res.output
     res = runner.invoke(app, ["simulate", "smollm2-135m", "--cluster", "A100:1,L40S:1", "--policy", "fastest"])

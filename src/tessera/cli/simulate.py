@@ -88,6 +88,7 @@ def simulate(
         table.add_row("TPOT p50 / p99", f"{_s(summary['tpot_p50_s'])} / {_s(summary['tpot_p99_s'])}")
     table.add_row(f"normalised latency (per {per})", _s(result.norm_latency_s))
     table.add_row("steps", f"{result.steps:,}")
+    table.add_row("preemptions (KV blocks ran out)", f"{result.preemptions:,}")
     for lane, busy in result.lane_busy_s.items():
         table.add_row(f"busy: {lane}", f"{busy / result.makespan_s:.0%}" if result.makespan_s > 0 else "-")
     _out.print(table)

@@ -21,6 +21,23 @@ step's shape is its bucket: the rows rounded up to a batch bucket, the prompt ro
 sequence bucket, the longest context rounded up to a context bucket. No chunked prefill: a prompt is
 one step, which keeps each step one graph at one static shape.
 
+Admission. Without a KV budget (``kv`` None: the serving engine's physical KV slots, an SSM's
+fixed-size state, diffusion latents) a request is admitted while one of the ``slots`` is free. With one
+(:class:`KVBudget`: paged KV in blocks of ``block_size`` tokens, as a serving engine such as vLLM holds
+it) ``slots`` is the most sequences in flight (an engine's ``max_num_seqs``) and a request also needs
+KV blocks for the tokens in its cache, ceil(tokens / block_size). Admission is first come, first served
+(no request skips ahead of the first waiting one): it is admitted when fewer than ``slots`` run and the
+free blocks cover its whole prompt, ceil(input / block_size) blocks: the input - 1 tokens its prefill
+writes plus the last prompt token its first decode step writes (what vLLM allocates for a prompt).
+Before each batched step every row gets the block its next token needs (a new block each time its
+context crosses a block boundary); when none is free the most recently admitted running request is
+preempted by recompute: its blocks and slot are freed and it goes back to the front of the waiting
+queue, keeping the tokens it generated (when that request is inside a step on another lane, a
+disaggregated prefill, the row waits for the step to end instead). Readmitted, it runs its stages again from
+the first, its prefill over prompt + generated tokens but the last (which its next decode step feeds)
+at that length's prompt bucket, then decodes the outputs it still owes (each output counts once). A
+request whose whole context (input + output) needs more blocks than the budget is rejected at submit.
+
 Priorities: among the stages a lane may run, single-request stages go first (the first one admits new
 work, so slots freed by finished requests are filled at once; a finished diffusion image is decoded at
 once), then the batched stage runs every request that is ready for it.
@@ -37,7 +54,31 @@ DEFAULT_MAX_CONTEXT = 8192
 
 
 class SchedulerError(TesseraError, ValueError):
-    """A scheduler set up with impossible limits (no slots, empty buckets, unknown stages)."""
+    """A scheduler set up with impossible limits (no slots, empty buckets, unknown stages, no KV blocks)."""
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """An engine's paged KV cache: ``blocks`` blocks of ``block_size`` tokens each."""
+
+    blocks: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("blocks", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SchedulerError(f"a KV budget needs a positive whole number of {name.replace('_', ' ')} "
+                                     f"(got {value!r})")
+
+    @property
+    def tokens(self) -> int:
+        """Cache tokens the blocks hold."""
+        return self.blocks * self.block_size
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks that hold ``tokens`` cache tokens."""
+        return -(-max(tokens, 0) // self.block_size)
 
 
 @dataclass(frozen=True)
@@ -128,6 +169,9 @@ class Request:
     finish_s: float | None = None
     busy_s: float = 0.0  # the durations of the steps it took part in
     rejected: str | None = None
+    blocks: int = 0  # KV blocks it holds (a scheduler with a KV budget)
+    preemptions: int = 0  # times it was preempted (by recompute) for lack of KV blocks
+    in_step: bool = False  # part of a step handed out and not completed yet (not preempted then)
 
     @property
     def context(self) -> int:
@@ -159,10 +203,12 @@ class Scheduler:
     buckets: Buckets
     max_context: int | None = DEFAULT_MAX_CONTEXT
     max_queue: int | None = None  # waiting requests beyond this are rejected (None: unbounded)
+    kv: KVBudget | None = None  # paged KV admission (None: slots alone)
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
     done: list[Request] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)
+    preemptions: int = 0
 
     def __post_init__(self) -> None:
         if self.slots < 1:
@@ -170,6 +216,12 @@ class Scheduler:
         if not self.stages or sum(s.batched for s in self.stages) > 1:
             raise SchedulerError("a request needs stages, at most one of them batched")
         self._free = list(range(self.slots - 1, -1, -1))
+        self._free_blocks = self.kv.blocks if self.kv is not None else 0
+
+    @property
+    def free_blocks(self) -> int | None:
+        """KV blocks no request holds (None without a KV budget)."""
+        return None if self.kv is None else self._free_blocks
 
     @property
     def phases(self) -> list[str]:
@@ -183,6 +235,10 @@ class Scheduler:
         elif self.max_context is not None and req.input + req.output > self.max_context:
             reason = (f"needs a context of {req.input + req.output} tokens (prompt {req.input} + output "
                       f"{req.output}), above the deployment's {self.max_context}")
+        elif self.kv is not None and self.kv.blocks_for(req.input + req.output) > self.kv.blocks:
+            reason = (f"needs {self.kv.blocks_for(req.input + req.output)} KV blocks of {self.kv.block_size} tokens "
+                      f"for its context of {req.input + req.output} tokens (prompt {req.input} + output "
+                      f"{req.output}), above the engine's {self.kv.blocks} blocks ({self.kv.tokens} tokens)")
         elif self.max_queue is not None and len(self.waiting) >= self.max_queue:
             reason = f"the queue is full ({self.max_queue} waiting)"
         if reason is not None:
@@ -194,10 +250,10 @@ class Scheduler:
 
     @staticmethod
     def _steps_in(stage: Stage, req: Request) -> int:
-        if stage.steps == "prompt":
-            return 1 if req.input > 1 else 0
+        if stage.steps == "prompt":  # after a preemption the prompt is recomputed with the tokens generated
+            return 1 if req.context > 1 else 0
         if stage.steps == "output":
-            return req.output
+            return req.output - req.generated
         return int(stage.steps)
 
     def _enter(self, req: Request, index: int) -> None:
@@ -215,7 +271,9 @@ class Scheduler:
     def next_step(self, now: float, phases: set[str] | None = None, max_rows: int | None = None
                   ) -> ScheduledStep | None:
         """The step to run now among ``phases`` (all when None), or None when nothing is ready. ``max_rows``
-        caps the requests in flight and the rows of a batched step (a latency plan's low-load bucket)."""
+        caps the requests in flight and the rows of a batched step (a latency plan's low-load bucket). With
+        a KV budget, the rows of a batched step get their next token's block first (preempting when none
+        is free, see the module docstring)."""
         allowed = set(self.phases) if phases is None else phases
         cap = min(max_rows or self.slots, self.buckets.batch[-1])
         order = [i for i, s in enumerate(self.stages) if not s.batched] + \
@@ -225,26 +283,77 @@ class Scheduler:
             if stage.phase not in allowed:
                 continue
             if stage.batched:
-                rows = [r for r in self.running if r.stage == i and r.ready_s <= now]
+                rows = [r for r in self.running if r.stage == i and r.ready_s <= now][:cap]
+                if self.kv is not None:
+                    rows = self._grow(rows, now)
                 if rows:
-                    rows = rows[:cap]
                     ctx = self.buckets.context(max(r.context for r in rows)) if self.buckets.ctx else None
-                    return ScheduledStep(stage.phase, rows, self.buckets.rows(len(rows)), None, ctx)
+                    return self._handed(ScheduledStep(stage.phase, rows, self.buckets.rows(len(rows)), None, ctx))
                 continue
             ready = [r for r in self.running if r.stage == i and r.ready_s <= now]
             if (not ready and i == 0 and self.waiting and self._free and self.waiting[0].arrival_s <= now
-                    and len(self.running) < cap):
+                    and len(self.running) < cap and self._fits(self.waiting[0])):
                 req = self.waiting.popleft()
                 req.slot = self._free.pop()
+                if self.kv is not None:
+                    req.blocks = self.kv.blocks_for(req.context)
+                    self._free_blocks -= req.blocks
                 self._enter(req, 0)
                 self.running.append(req)
                 ready = [req] if req.stage == 0 else []
             if ready:
                 req = min(ready, key=lambda r: (r.ready_s, r.arrival_s))
-                seq = self.buckets.prompt(req.input - 1) if stage.phase == "prefill" and self.buckets.seq else None
-                ctx = self.buckets.context(req.input) if stage.phase == "prefill" and self.buckets.ctx else None
-                return ScheduledStep(stage.phase, [req], 1, seq, ctx)
+                # a prefill writes the prompt (after a preemption: with the tokens generated) but its last token
+                seq = self.buckets.prompt(req.context - 1) if stage.phase == "prefill" and self.buckets.seq else None
+                ctx = self.buckets.context(req.context) if stage.phase == "prefill" and self.buckets.ctx else None
+                return self._handed(ScheduledStep(stage.phase, [req], 1, seq, ctx))
         return None
+
+    @staticmethod
+    def _handed(step: ScheduledStep) -> ScheduledStep:
+        for req in step.requests:
+            req.in_step = True
+        return step
+
+    def _fits(self, req: Request) -> bool:
+        """Whether the free KV blocks cover ``req``'s cache at admission (its prompt and generated tokens)."""
+        return self.kv is None or self.kv.blocks_for(req.context) <= self._free_blocks
+
+    def _grow(self, rows: list[Request], now: float) -> list[Request]:
+        """``rows`` (in admission order) that hold the block their next token needs, preempting the most
+        recently admitted running requests while none is free."""
+        assert self.kv is not None
+        kept: list[Request] = []
+        gone: set[int] = set()
+        for req in rows:
+            if id(req) in gone:
+                continue
+            need = self.kv.blocks_for(req.context) - req.blocks
+            while need > self._free_blocks:
+                victim = self.running[-1]
+                if victim.in_step:  # inside a step on another lane (a prefill): ``req`` waits for it to end
+                    gone.add(id(req))
+                    break
+                self._preempt(victim, now)
+                gone.add(id(victim))
+                if victim is req:
+                    break
+            if id(req) not in gone:
+                req.blocks += need
+                self._free_blocks -= need
+                kept.append(req)
+        return kept
+
+    def _preempt(self, req: Request, now: float) -> None:
+        """Preempt a running request by recompute: free its slot and blocks, queue it first (its recompute may
+        start at once: a state move it was waiting for is void)."""
+        self.running.remove(req)
+        self._free.append(req.slot)
+        self._free_blocks += req.blocks
+        req.slot, req.blocks, req.stage, req.left, req.ready_s = None, 0, -1, 0, min(req.ready_s, now)
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
 
     def complete(self, step: ScheduledStep, start_s: float, end_s: float,
                  delays: dict[str, float] | None = None) -> list[Request]:
@@ -252,6 +361,7 @@ class Scheduler:
         request back before its next stage's phase (a state move). Returns the requests that finished."""
         finished = []
         for req in step.requests:
+            req.in_step = False
             req.busy_s += end_s - start_s
             stage = self.stages[req.stage]
             if stage.phase == "decode":  # a token (the image, for the VAE decode of diffusion)
@@ -275,6 +385,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self._free.append(req.slot)
+            self._free_blocks += req.blocks
+            req.blocks = 0
         elif req in self.waiting:
             self.waiting.remove(req)
         req.finish_s = now

@@ -2,13 +2,16 @@
 decided by the same :class:`~tessera.sched.scheduler.Scheduler` the serving engine uses, with every step
 timed at the kernel level (:class:`~tessera.sim.step_timer.StepTimer`).
 
-A deployment runs as replicas (engines). Each engine has its own scheduler (slots = its step plan's
-batch) and lanes: phases whose step plans use disjoint targets run concurrently (prefill-decode
-disaggregation), phases sharing a target take turns. A step occupies its lane for the step's time at
-its bucket: alone (``first_s``) after a pause or a change of bucket, or the streamed period when the
-same bucket runs again back to back. An explicit state move between phases (KV after a prefill on
-another device) holds the request back by the move's time. Arrivals go to the engine with the least
-outstanding work for its speed.
+A deployment runs as replicas (engines). Each engine has its own scheduler and lanes. The scheduler
+admits as the plan's engine admission says (``EngineAdmission``: at most ``max_seqs`` sequences, and,
+for a cache that grows with the context, while its ``kv_tokens`` in blocks of ``block_size`` last,
+preempting by recompute when they run out); a plan without one (an old plan file) admits up to its step
+plan's batch. On lanes, phases whose step plans use disjoint targets run concurrently (prefill-decode
+disaggregation); phases sharing a target take turns. A step occupies its lane for the step's time at its
+bucket: alone (``first_s``) after a pause or a change of bucket, or the streamed period when the same
+bucket runs again back to back. An explicit state move between phases (KV after a prefill on another
+device) holds the request back by the move's time. Arrivals go to the engine with the least outstanding
+work for its speed.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ import numpy as np
 from tessera.errors import TesseraError
 from tessera.hardware.cluster import Link
 from tessera.plan.context import PlanContext
-from tessera.plan.deployment import DeploymentPlan, StateMove, StepPlan
+from tessera.plan.deployment import DeploymentPlan, EngineAdmission, StateMove, StepPlan
 from tessera.plan.targets import Target, cluster_targets
 from tessera.sched.scheduler import (
     DEFAULT_MAX_CONTEXT,
     Buckets,
+    KVBudget,
     Request,
     ScheduledStep,
     Scheduler,
@@ -127,28 +131,31 @@ def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throug
         raise SimulationSetupError(f"{plan.policy} does not apply to {plan.model}: {plan.reason}")
     if not plan.feasible:
         raise SimulationSetupError(f"the {plan.policy} plan is not feasible: {plan.reason}")
-    parts: list[tuple[str, int, list[Target], list[StepPlan], float, list[StateMove], bool]] = []
+    parts: list[tuple[str, int, list[Target], list[StepPlan], float, EngineAdmission | None, list[StateMove],
+                      bool]] = []
     summaries = plan.extra.get("replicas")
     routes = plan.extra.get("routes")
     if summaries:  # request-dist: each device type's own replicas
         for part in summaries:
             steps = [s for s in plan.steps if s.objective == objective and s.solver.get("replica_of") == part["device"]]
             targets = _match_targets(ctx, part["targets"], part["replicas"], [part["device"]])
+            admission = EngineAdmission(**part["admission"]) if part.get("admission") else None
             parts.append((part["device"], part["replicas"], targets, steps, part["throughput"] / part["replicas"],
-                          plan.state_moves, False))
+                          admission, plan.state_moves, False))
     elif routes:  # a route mix: engines of their own placements sharing the cluster's devices
         for k, route in enumerate(routes):
             steps = [s for s in plan.steps if s.objective == objective and s.solver.get("route_of") == k]
             targets = _match_targets(ctx, route["targets"], 1, None)
             name = route["policy"] + (f" ({route['device']})" if route.get("device") else "")
-            parts.append((name, 1, targets, steps, route["throughput"],
+            admission = EngineAdmission(**route["admission"]) if route.get("admission") else None
+            parts.append((name, 1, targets, steps, route["throughput"], admission,
                           [StateMove(**m) for m in route["state_moves"]], True))
     else:
         steps = [s for s in plan.steps if s.objective == objective]
         types = [plan.device] if plan.device else None
         targets = _match_targets(ctx, plan.targets, plan.replicas, types)
         parts.append((plan.policy, plan.replicas, targets, steps, plan.throughput / max(plan.replicas, 1),
-                      plan.state_moves, False))
+                      plan.admission, plan.state_moves, False))
     family = ctx.spec.family
     denoise = ctx.workload.steps if isinstance(ctx.workload, ImagesWorkload) else 28
     if family == "vlm":  # a prompt holds the image's tokens: no prompt bucket may be shorter
@@ -156,20 +163,38 @@ def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throug
         meta = ctx.graph(prefill).meta
         min_prompt = max(min_prompt, int(meta["image_start"]) + int(meta["image_tokens"]))
     engines = []
-    for name, count, targets, steps, speed, moves, shared in parts:
+    for name, count, targets, steps, speed, admission, moves, shared in parts:
         if not steps:
             raise SimulationSetupError(f"the {plan.policy} plan has no {objective} step plans")
         timer = _timer(ctx, steps, targets, feedback_s, link)
         main = max(steps, key=lambda s: s.repeats)
+        slots, kv = _admission(plan, name, admission, family, main.batch)
         for r in range(count):
-            buckets = Buckets.default(main.batch, None if family == "diffusion" else max_context, min_prompt)
+            buckets = Buckets.default(slots, None if family == "diffusion" else max_context, min_prompt)
             if family == "ssm":  # an SSM's state does not grow with the context: one decode shape
                 buckets = Buckets(buckets.batch, buckets.seq)
-            sched = Scheduler(stages_for(family, denoise), main.batch, buckets,
-                              None if family == "diffusion" else max_context)
+            sched = Scheduler(stages_for(family, denoise), slots, buckets,
+                              None if family == "diffusion" else max_context, kv=kv)
             engines.append(Engine(f"{name}#{r}" if count > 1 else name, sched, timer,
                                   _lanes(steps, targets if shared else None), speed, _delays(moves, steps)))
     return engines
+
+
+def _admission(plan: DeploymentPlan, name: str, admission: EngineAdmission | None, family: str,
+               batch: int) -> tuple[int, KVBudget | None]:
+    """An engine's slots (sequences in flight) and KV budget from its admission (none: its step plan's batch)."""
+    if admission is None:
+        return batch, None
+    if admission.max_seqs < 1:
+        raise SimulationSetupError(f"the {plan.policy} plan's engine {name} admits {admission.max_seqs} sequences; "
+                                   "it needs at least 1 (plan again)")
+    if admission.kv_tokens is None or family in ("ssm", "diffusion"):  # a state that does not grow
+        return admission.max_seqs, None
+    if admission.kv_blocks is None or admission.kv_blocks < 1:
+        raise SimulationSetupError(f"the {plan.policy} plan's engine {name} has room for {admission.kv_tokens} KV "
+                                   f"tokens, less than one block of {admission.block_size}: it cannot serve a "
+                                   "request (give it more memory or plan again)")
+    return admission.max_seqs, KVBudget(admission.kv_blocks, admission.block_size)
 
 
 @dataclass
@@ -191,6 +216,7 @@ class SimResult:
     steps: int
     lane_busy_s: dict[str, float]
     rejections: list[str] = field(default_factory=list)
+    preemptions: int = 0  # requests preempted (by recompute) for lack of KV blocks, counted per preemption
 
     @staticmethod
     def _pct(values: list[float], q: float) -> float | None:
@@ -204,7 +230,8 @@ class SimResult:
                 "tpot_p50_s": self._pct(self.tpot_s, 50), "tpot_p99_s": self._pct(self.tpot_s, 99),
                 "latency_p50_s": self._pct(self.latency_s, 50), "norm_latency_s": self.norm_latency_s,
                 "completed": self.completed, "rejected": self.rejected, "steps": self.steps,
-                "lane_busy_s": self.lane_busy_s, "rejections": self.rejections[:5]}
+                "preemptions": self.preemptions, "lane_busy_s": self.lane_busy_s,
+                "rejections": self.rejections[:5]}
 
 
 def _route(engines: list[Engine], req: Request) -> Engine:
@@ -291,4 +318,5 @@ def simulate(ctx: PlanContext, plan: DeploymentPlan, seed: int = 0, objective: s
                      makespan, len(served), len(rejected), [r.first_output_s - r.arrival_s for r in served], tpot,
                      [r.finish_s - r.arrival_s for r in served],
                      float(np.mean([(r.finish_s - r.arrival_s) / r.output for r in served])) if served else 0.0,
-                     sum(e.steps for e in engines), lanes, [f"request {r.id}: {r.rejected}" for r in rejected])
+                     sum(e.steps for e in engines), lanes, [f"request {r.id}: {r.rejected}" for r in rejected],
+                     sum(e.scheduler.preemptions for e in engines))
