@@ -69,8 +69,10 @@ class RunPlacement:
 
 
 def placements_from_plan(plan: DeploymentPlan, graphs: dict[str, KernelGraph], workers: int,
-                         source: str = "the plan") -> tuple[dict[str, list[int]], dict[str, int]]:
-    """Each phase's kernel -> worker from a deployment plan made for exactly these graphs."""
+                         source: str = "the plan", worker_of: dict[str, int] | None = None
+                         ) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Each phase's kernel -> worker from a deployment plan made for exactly these graphs: plan target i is
+    worker i, or worker ``worker_of[name]`` of the plan's target of that name (a plan for another cluster)."""
     if not plan.applicable or not plan.feasible:
         raise PlanFileError(f"{source} ({plan.policy}) is not a runnable plan: {plan.reason}")
     if len(plan.extra.get("replicas", [])) > 1:
@@ -84,11 +86,14 @@ def placements_from_plan(plan: DeploymentPlan, graphs: dict[str, KernelGraph], w
         if step.expert_parts:
             raise PlanFileError(f"{source} splits MoE expert GEMMs over devices ({len(step.expert_parts)} kernels), "
                                 "which the runtime does not execute yet; plan with --no-expert-split")
-        used = max(step.assignment) + offset + 1
+        placed = [a + offset for a in step.assignment]
+        if worker_of is not None:
+            placed = [worker_of[plan.targets[a]] for a in placed]
+        used = max(placed) + 1
         if used > workers:
             raise PlanFileError(f"{source} places kernels on {used} devices ({', '.join(plan.targets)}) but the "
                                 f"cluster has {workers} workers; run it on a cluster with at least {used}")
-        out[phase], mbs[phase] = [a + offset for a in step.assignment], step.micro_batches
+        out[phase], mbs[phase] = placed, step.micro_batches
     return out, mbs
 
 
@@ -119,16 +124,17 @@ def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
 
 def runtime_context(model: str, workers: int, prompt_tokens: int, max_tokens: int, ctx: int, batch: int = 1,
                     micro_batches: int = 1, profile=None, log: Callable[[str], None] = lambda s: None,
-                    image: str | None = None):
-    """The planning context of a run: ``batch`` requests of ``prompt_tokens`` on ``cpu:workers``, every phase
-    traced at the runtime's shapes (cache ``ctx``, ``micro_batches`` decode micro-batches sharing state
-    instances with the prefill), no MoE expert splits."""
+                    image: str | None = None, cluster: str | None = None):
+    """The planning context of a run: ``batch`` requests of ``prompt_tokens`` on ``cpu:workers`` (or on
+    ``cluster``, whose plan the workers stand in for), every phase traced at the runtime's shapes (cache
+    ``ctx``, ``micro_batches`` decode micro-batches sharing state instances with the prefill), no MoE expert
+    splits."""
     from tessera.hardware.cluster import parse_cluster
     from tessera.plan.context import PlanContext
     from tessera.workload import parse_workload
 
     text = f"fixed:in={prompt_tokens},out={max_tokens},requests={batch}"
-    return PlanContext(model, parse_cluster(f"cpu:{workers}"), parse_workload(text), text, max_batch=batch,
+    return PlanContext(model, parse_cluster(cluster or f"cpu:{workers}"), parse_workload(text), text, max_batch=batch,
                        profile=profile, cache_ctx=ctx, split_experts=False, micro_batches=micro_batches,
                        progress=log, image=image, single_replica=True)
 
@@ -193,3 +199,16 @@ def describe_transfers(runner: DistributedRunner) -> str:
         parts.append(f"{ph}: {len(sp.placement)} kernels ({split}), {len(sp.transfers)} transfers, "
                      f"{sp.cut_bytes / 1e3:.1f} kB per step")
     return "; ".join(parts)
+
+
+def describe_made(runner: DistributedRunner) -> str:
+    """What the run's steps sent between workers: per phase the steps, messages and bytes, then the state
+    moves (the state a phase needs from the worker another phase wrote it on)."""
+    parts = []
+    for ph, made in runner.made.items():
+        steps = f"{made.steps} step{'s' if made.steps != 1 else ''}" + (f" + {made.jobs} streamed" if made.jobs else "")
+        parts.append(f"{ph} {steps}, {made.messages} message{'s' if made.messages != 1 else ''}, "
+                     f"{made.nbytes / 1e3:.1f} kB")
+    moves = (f"{runner.moves_made} state move{'s' if runner.moves_made != 1 else ''}, {runner.moved_bytes / 1e3:.1f} kB"
+             if runner.moves_made else "no state moves")
+    return "transfers made: " + "; ".join(parts or ["no steps"]) + f"; {moves}"
