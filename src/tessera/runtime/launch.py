@@ -29,13 +29,13 @@ from tessera.runtime.session import (
     cache_context,
     distributed_runner_fn,
     host_profile,
+    placement_for,
     plan_file_placement,
     policy_placement,
     runtime_graphs,
     synthetic,
     weight_files,
 )
-from tessera.runtime.target_map import placement_for
 
 
 @dataclass

@@ -15,6 +15,7 @@ from tessera.plan.deployment import DeploymentPlan, PlanFileError
 from tessera.program.placements import PLACEMENTS, synthetic_placement
 from tessera.runtime.config import RunSetupError
 from tessera.runtime.distributed import DistributedRunner
+from tessera.runtime.target_map import plan_target_map, target_map
 
 CTX_BUCKET = 64  # the KV cache is sized to prompt + new tokens rounded up to this
 TEXT_FAMILIES = ("llm", "moe", "ssm")
@@ -174,14 +175,48 @@ def synthetic(graphs: dict[str, KernelGraph], workers: int, kind: str, seed: int
 
 def plan_file_placement(path: Path, graphs: dict[str, KernelGraph], workers: int, model: str, max_tokens: int,
                         profile=None, log: Callable[[str], None] = lambda s: None) -> RunPlacement:
-    """The placement of a plan file (checked against the graphs); re-planning falls back to ``tessera``."""
+    """The placement of a plan file (checked against the graphs; a plan for GPUs runs its target i on worker
+    cpu:i); re-planning falls back to ``tessera`` for the workers."""
     plan = DeploymentPlan.load(path)
-    placements, mbs = placements_from_plan(plan, graphs, workers, f"plan file {path}")
+    mapping = plan_target_map(plan.targets, plan.cluster, workers, f"plan file {path} ({plan.policy})")
+    placements, mbs = placements_from_plan(plan, graphs, workers, f"plan file {path}",
+                                           mapping.worker_of if mapping else None)
 
     def replan(n: int) -> dict[str, list[int]]:
         return policy_placement(model, graphs, n, "tessera", max_tokens, profile, log=log).placements
 
-    return RunPlacement(placements, mbs, f"{plan.policy} plan from {path}", replan, plan)
+    how = f"{plan.policy} plan from {path}" + (f", run on stand-in workers {mapping.describe()}" if mapping else "")
+    return RunPlacement(placements, mbs, how, replan, plan)
+
+
+def placement_for(model: str, graphs: dict[str, KernelGraph], workers: int, cluster: str, policy: str,
+                  max_tokens: int, device: str | None = None, fallback_profile=None,
+                  log: Callable[[str], None] = lambda s: None) -> RunPlacement:
+    """Plan ``policy`` on ``cluster`` (its cost model) for these graphs and map its targets onto the workers.
+    Re-planning after a lost worker plans ``tessera`` for the surviving workers themselves (with
+    ``fallback_profile``, this host's measured kernel times), as for a plan file.
+
+    Raises:
+        RunSetupError: see :func:`target_map`.
+        PlanFileError: the plan cannot run on one runner (replicas, expert splits, not feasible).
+    """
+    from tessera.plan.planner import plan_policy
+
+    mapping = target_map(cluster, workers)
+    prefill = graphs["prefill"]
+    pctx = runtime_context(model, workers, prefill.meta["seq"], max_tokens, prefill.meta["ctx"], log=log,
+                           cluster=cluster)
+    plan = plan_policy(pctx, policy, "throughput", device)
+    placements, mbs = placements_from_plan(plan, graphs, workers, f"the {policy} plan for {mapping.cluster}",
+                                           mapping.worker_of)
+    per_token = f"{plan.latency_s * 1e3:.3g} ms" if plan.latency_s < 1 else f"{plan.latency_s:.3g} s"
+    how = (f"{policy} plan for {mapping.cluster} (its cost model: {per_token} per token predicted"
+           f"{'; ' + plan.reason if plan.reason else ''}), run on stand-in workers {mapping.describe()}")
+
+    def replan(n: int) -> dict[str, list[int]]:
+        return policy_placement(model, graphs, n, "tessera", max_tokens, fallback_profile, log=log).placements
+
+    return RunPlacement(placements, mbs, how, replan, plan)
 
 
 def distributed_runner_fn(runner: DistributedRunner

@@ -1,21 +1,15 @@
-"""Running on cpu workers the placement a policy plans for another cluster (GPUs, e.g. ``A100:1,L40S:1``).
-
-The plan is made for the run's own step graphs (same shapes, batch, M and graph kind as a plan for the
-workers, so the graph hashes match) but with that cluster's cost model; each of its placement targets (one
-per device type, in cluster order) is run by one worker: target i on cpu:i. The workers stand in for the
-GPUs: every kernel, transfer and state move of the plan happens as planned, only slower.
-"""
+"""Which cpu worker stands in for each target of a plan made for another cluster (GPUs, e.g.
+``A100:1,L40S:1``): target i (one per device type, in cluster order) runs on worker cpu:i, so every kernel,
+transfer and state move of the plan happens as planned, only slower. The plan itself is made by
+:func:`tessera.runtime.session.placement_for` (or read from a plan file)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from tessera.graph.ir import KernelGraph
 from tessera.hardware.catalog import HOST_ID
 from tessera.hardware.cluster import parse_cluster
 from tessera.runtime.config import RunSetupError
-from tessera.runtime.session import RunPlacement, placements_from_plan, policy_placement, runtime_context
 
 
 @dataclass(frozen=True)
@@ -57,31 +51,17 @@ def target_map(cluster: str, workers: int) -> TargetMap:
     return TargetMap(parsed.describe(), names)
 
 
-def placement_for(model: str, graphs: dict[str, KernelGraph], workers: int, cluster: str, policy: str,
-                  max_tokens: int, device: str | None = None, fallback_profile=None,
-                  log: Callable[[str], None] = lambda s: None) -> RunPlacement:
-    """Plan ``policy`` on ``cluster`` (its cost model) for these graphs and map its targets onto the workers.
-    Re-planning after a lost worker plans ``tessera`` for the surviving workers themselves (with
-    ``fallback_profile``, this host's measured kernel times), as for a plan file.
+def plan_target_map(targets: list[str], cluster: str, workers: int, source: str) -> TargetMap | None:
+    """The map of a plan's ``targets`` onto ``workers`` cpu workers in order, or None when the plan was made
+    for cpu workers (its targets are the workers themselves).
 
     Raises:
-        RunSetupError: see :func:`target_map`.
-        PlanFileError: the plan cannot run on one runner (replicas, expert splits, not feasible).
+        RunSetupError: the plan has GPU targets and their count differs from ``workers``.
     """
-    from tessera.plan.planner import plan_policy
-
-    mapping = target_map(cluster, workers)
-    prefill = graphs["prefill"]
-    pctx = runtime_context(model, workers, prefill.meta["seq"], max_tokens, prefill.meta["ctx"], log=log,
-                           cluster=cluster)
-    plan = plan_policy(pctx, policy, "throughput", device)
-    placements, mbs = placements_from_plan(plan, graphs, workers, f"the {policy} plan for {mapping.cluster}",
-                                           mapping.worker_of)
-    per_token = f"{plan.latency_s * 1e3:.3g} ms" if plan.latency_s < 1 else f"{plan.latency_s:.3g} s"
-    how = (f"{policy} plan for {mapping.cluster} (its cost model: {per_token} per token predicted"
-           f"{'; ' + plan.reason if plan.reason else ''}), run on stand-in workers {mapping.describe()}")
-
-    def replan(n: int) -> dict[str, list[int]]:
-        return policy_placement(model, graphs, n, "tessera", max_tokens, fallback_profile, log=log).placements
-
-    return RunPlacement(placements, mbs, how, replan, plan)
+    if all(t.startswith(f"{HOST_ID}:") for t in targets):
+        return None
+    if len(targets) != workers:
+        raise RunSetupError(f"{source} has {len(targets)} target{'s' if len(targets) != 1 else ''} "
+                            f"({', '.join(targets)}) and each runs on one cpu worker, but --cluster has {workers} "
+                            f"workers; use --cluster cpu:{len(targets)}")
+    return TargetMap(cluster, tuple(targets))
