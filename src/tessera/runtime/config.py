@@ -49,7 +49,8 @@ class RunConfig:
     placement_for: str | None = None  # a (GPU) cluster whose plan for the run the workers stand in for
 
     def check(self) -> Cluster:
-        """The run's cluster, after every option is checked (`RunSetupError` names the one that cannot work)."""
+        """The run's cluster, after every option is checked (`RunSetupError`, or `TargetMapError` for
+        ``placement_for``, names the one that cannot work)."""
         if sum(x is not None for x in (self.plan_file, self.policy, self.placement)) > 1:
             raise RunSetupError("give at most one of --plan, --policy and --placement")
         if self.placement_for is not None and (self.plan_file is not None or self.placement is not None):

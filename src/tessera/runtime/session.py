@@ -197,7 +197,7 @@ def placement_for(model: str, graphs: dict[str, KernelGraph], workers: int, clus
     ``fallback_profile``, this host's measured kernel times), as for a plan file.
 
     Raises:
-        RunSetupError: see :func:`target_map`.
+        TargetMapError: see :func:`target_map`.
         PlanFileError: the plan cannot run on one runner (replicas, expert splits, not feasible).
     """
     from tessera.plan.planner import plan_policy

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.errors import TesseraError
 from tessera.hardware.catalog import HOST_ID
 from tessera.hardware.cluster import parse_cluster
-from tessera.runtime.config import RunSetupError
+
+
+class TargetMapError(TesseraError):
+    """A cluster or plan whose targets cannot be mapped onto the run's cpu workers one to one."""
 
 
 @dataclass(frozen=True)
@@ -34,17 +38,17 @@ def target_map(cluster: str, workers: int) -> TargetMap:
     of its own, and as many targets as there are workers.
 
     Raises:
-        RunSetupError: the cluster names cpu workers, or its target count differs from ``workers``.
+        TargetMapError: the cluster names cpu workers, or its target count differs from ``workers``.
     """
     from tessera.plan.targets import cluster_targets
 
     parsed = parse_cluster(cluster)
     if any(d.spec.id == HOST_ID for d in parsed.devices):
-        raise RunSetupError(f"--placement-for names the cluster to plan for (GPUs, e.g. A100:1,L40S:1); "
+        raise TargetMapError(f"--placement-for names the cluster to plan for (GPUs, e.g. A100:1,L40S:1); "
                             f"{parsed.describe()} has cpu workers: plan for the workers themselves with --policy")
     names = tuple(t.name for t in cluster_targets(parsed))
     if len(names) != workers:
-        raise RunSetupError(f"--placement-for {parsed.describe()} has {len(names)} placement target"
+        raise TargetMapError(f"--placement-for {parsed.describe()} has {len(names)} placement target"
                             f"{'s' if len(names) != 1 else ''} ({', '.join(names)}; one per device type) and each "
                             f"runs on one cpu worker, but --cluster has {workers} workers; use --cluster "
                             f"cpu:{len(names)}")
@@ -56,12 +60,12 @@ def plan_target_map(targets: list[str], cluster: str, workers: int, source: str)
     for cpu workers (its targets are the workers themselves).
 
     Raises:
-        RunSetupError: the plan has GPU targets and their count differs from ``workers``.
+        TargetMapError: the plan has GPU targets and their count differs from ``workers``.
     """
     if all(t.startswith(f"{HOST_ID}:") for t in targets):
         return None
     if len(targets) != workers:
-        raise RunSetupError(f"{source} has {len(targets)} target{'s' if len(targets) != 1 else ''} "
+        raise TargetMapError(f"{source} has {len(targets)} target{'s' if len(targets) != 1 else ''} "
                             f"({', '.join(targets)}) and each runs on one cpu worker, but --cluster has {workers} "
                             f"workers; use --cluster cpu:{len(targets)}")
     return TargetMap(cluster, tuple(targets))
