@@ -231,7 +231,8 @@ def describe_transfers(runner: DistributedRunner) -> str:
     for ph, sp in runner.programs.items():
         counts = [sp.placement.count(d) for d in range(len(sp.devices))]
         split = ", ".join(f"{n} on {dev}" for n, dev in zip(counts, sp.devices, strict=True) if n)
-        parts.append(f"{ph}: {len(sp.placement)} kernels ({split}), {len(sp.transfers)} transfers, "
+        n = len(sp.transfers)
+        parts.append(f"{ph}: {len(sp.placement)} kernels ({split}), {n} transfer{'s' if n != 1 else ''}, "
                      f"{sp.cut_bytes / 1e3:.1f} kB per step")
     return "; ".join(parts)
 
@@ -241,7 +242,9 @@ def describe_made(runner: DistributedRunner) -> str:
     moves (the state a phase needs from the worker another phase wrote it on)."""
     parts = []
     for ph, made in runner.made.items():
-        steps = f"{made.steps} step{'s' if made.steps != 1 else ''}" + (f" + {made.jobs} streamed" if made.jobs else "")
+        steps = f"{made.steps} step{'s' if made.steps != 1 else ''}"
+        if made.jobs:
+            steps += f" + {made.jobs} streamed micro-batch steps"
         parts.append(f"{ph} {steps}, {made.messages} message{'s' if made.messages != 1 else ''}, "
                      f"{made.nbytes / 1e3:.1f} kB")
     moves = (f"{runner.moves_made} state move{'s' if runner.moves_made != 1 else ''}, {runner.moved_bytes / 1e3:.1f} kB"
