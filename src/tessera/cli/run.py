@@ -34,6 +34,9 @@ def run(
                                "host's measured kernel times."),
     placement: str = typer.Option(None, "--placement", help="alternate | random: a synthetic placement (stress "
                                   "tests: the most cut edges / a random valid one)."),
+    placement_for: str = typer.Option(None, "--placement-for", help="Run the placement --policy (default tessera) "
+                                      "plans for this GPU cluster (e.g. A100:1,L40S:1: its cost model, the run's "
+                                      "graphs): its target i (one per device type) runs on worker cpu:i."),
     seed: int = typer.Option(_RUN.seed, "--seed", help="Seed of --placement random and of sampling."),
     device: str = typer.Option(None, "--device", "-d", help="homogeneous policy: which worker (default cpu:0)."),
     threads: int = typer.Option(None, "--threads", help="Torch threads per worker (default cores / workers)."),
@@ -53,7 +56,7 @@ def run(
 ) -> None:
     """Generate text on a disaggregated plan: each worker runs its kernels, transfers overlap compute."""
     from tessera.runtime.launch import check_run, serve_torchrun_worker, start_run, torchrun_rank
-    from tessera.runtime.session import describe_transfers
+    from tessera.runtime.session import describe_made, describe_transfers
 
     rank = torchrun_rank()
     if rank is not None and rank > 0:
@@ -66,7 +69,7 @@ def run(
     run = None
     try:
         config = RunConfig(model, cluster, max_tokens, plan_file, policy, placement, seed, device, threads,
-                           profile_file, on_failure, backend, temperature, top_p, interface)
+                           profile_file, on_failure, backend, temperature, top_p, interface, placement_for)
         run = start_run(config, prompt, say, log=lambda t: _err.print(t), torchrun_driver=rank == 0)
         say(describe_transfers(run.runner))
         t0 = time.perf_counter()
@@ -82,6 +85,7 @@ def run(
         sys.stdout.write("\n")
         seconds = time.perf_counter() - t0
         say(f"{len(new)} tokens in {seconds:.2f} s ({len(new) / seconds:.1f} tokens/s) on {run.workers} workers")
+        say(describe_made(run.runner))
         for r in run.runner.recoveries:
             say(f"recovered from losing {r.device} ({r.how}) in {r.seconds:.2f} s: re-planned onto "
                 f"{', '.join(r.survivors)}, replayed {r.replayed_steps} steps")

@@ -27,7 +27,8 @@ ON_FAILURE = ("fail", "replan")
 @dataclass
 class RunConfig:
     """One generation run: the model, ``cpu:N`` workers, how many new tokens, where kernels run (at most one
-    of a plan file, a policy and a synthetic placement; default the tessera policy), sampling, and what to do
+    of a plan file, a policy and a synthetic placement; default the tessera policy; the policy planned for
+    the workers or, with ``placement_for``, for a GPU cluster they stand in for), sampling, and what to do
     after a lost worker."""
 
     model: str
@@ -45,11 +46,19 @@ class RunConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     interface: str | None = None  # torchrun: the network interface workers on several hosts meet on
+    placement_for: str | None = None  # a (GPU) cluster whose plan for the run the workers stand in for
 
     def check(self) -> Cluster:
-        """The run's cluster, after every option is checked (`RunSetupError` names the one that cannot work)."""
+        """The run's cluster, after every option is checked (`RunSetupError`, or `TargetMapError` for
+        ``placement_for``, names the one that cannot work)."""
         if sum(x is not None for x in (self.plan_file, self.policy, self.placement)) > 1:
             raise RunSetupError("give at most one of --plan, --policy and --placement")
+        if self.placement_for is not None and (self.plan_file is not None or self.placement is not None):
+            raise RunSetupError("--placement-for plans a policy (--policy, default tessera) for that cluster; it "
+                                "does not combine with --plan or --placement")
+        if self.placement_for is not None and self.profile_file is not None:
+            raise RunSetupError("--profile gives kernel times for planning on the workers themselves; "
+                                "--placement-for plans with the cost model of the cluster it names")
         if self.max_tokens < 1:
             raise RunSetupError(f"--max-tokens must be at least 1 (got {self.max_tokens})")
         TOKENS.check(self.max_tokens, "--max-tokens")
@@ -71,6 +80,10 @@ class RunConfig:
         from tessera.runtime.pool import check_backend  # on use: torch.distributed is slow to import
 
         check_backend(self.backend, ["cpu"] * len(cluster.devices))
+        if self.placement_for is not None:
+            from tessera.runtime.target_map import target_map  # on use: imports the planner's targets
+
+            target_map(self.placement_for, len(cluster.devices))
         return cluster
 
     def sampling(self) -> Sampling:

@@ -47,6 +47,17 @@ class Recovery:
 
 
 @dataclass
+class TransfersMade:
+    """The transfers one phase's steps made so far: full steps (`step`), streamed micro-batch jobs (`stream`),
+    and the messages and bytes their programs sent between workers (replayed steps included)."""
+
+    steps: int = 0
+    jobs: int = 0
+    messages: int = 0
+    nbytes: int = 0
+
+
+@dataclass
 class StepTiming:
     """One step as the workers saw it: wall seconds per worker, compute seconds and (traced) timelines."""
 
@@ -89,6 +100,8 @@ class DistributedRunner:
         self.on_recovered: Callable[[Recovery], None] | None = None  # told when the re-plan is done
         self.last_timing: StepTiming | None = None
         self.moved_bytes = 0  # state moved between workers so far (explicit moves)
+        self.moves_made = 0  # explicit state moves so far (one per buffer, instance and source worker)
+        self.made: dict[str, TransfersMade] = {}  # per phase: the transfers its steps made so far
         self._row_counts: dict[str, int] = {}
         self._start(placements)
 
@@ -209,6 +222,7 @@ class DistributedRunner:
                     for me, peer, send in ((src, dst, True), (dst, src, False)):
                         moves.setdefault(self.members[me], []).append(StateMove(name, inst, spans, peer, tag, send))
                     tag += 1
+                    self.moves_made += 1
                     for r in rows:
                         owner[r] = dst
         if moves:
@@ -272,6 +286,10 @@ class DistributedRunner:
             for i, o in enumerate(r.outputs):
                 outs[i].update(o)
         self._mark_written(phase, chunks, instances)
+        made = self.made.setdefault(phase, TransfersMade())
+        made.steps += 1
+        made.messages += len(sp.transfers)
+        made.nbytes += sp.cut_bytes
         order = list(replies)
         self.last_timing = StepTiming(phase, seconds, [replies[w].seconds for w in order],
                                       [replies[w].compute_s for w in order],
@@ -345,6 +363,10 @@ class DistributedRunner:
                 continue
             del waiting[key]
             m, i = key
+            made = self.made.setdefault(phase, TransfersMade())
+            made.jobs += 1
+            made.messages += sum(1 for t in sp.transfers if t.microbatch == m)
+            made.nbytes += sum(t.nbytes for t in sp.transfers if t.microbatch == m)
             out = gathered.pop(key)
             results[m].append(out)
             nxt = feed(m, i, out) if i + 1 < steps else None

@@ -29,6 +29,7 @@ from tessera.runtime.session import (
     cache_context,
     distributed_runner_fn,
     host_profile,
+    placement_for,
     plan_file_placement,
     policy_placement,
     runtime_graphs,
@@ -69,9 +70,12 @@ def _placement(config: RunConfig, graphs: dict[str, KernelGraph], workers: int, 
     profile = None
     if config.profile_file is not None:
         profile = Profile.load(config.profile_file)
-    elif ((config.plan_file is None and config.policy != "homogeneous")
-          or (config.plan_file is not None and config.on_failure == "replan")):
-        profile = host_profile(config.model, graphs, threads, say)
+    elif ((config.plan_file is None and config.placement_for is None and config.policy != "homogeneous")
+          or ((config.plan_file is not None or config.placement_for is not None) and config.on_failure == "replan")):
+        profile = host_profile(config.model, graphs, threads, say)  # to plan for the workers (or re-plan)
+    if config.placement_for is not None:
+        return placement_for(config.model, graphs, workers, config.placement_for, config.policy or "tessera",
+                             config.max_tokens, config.device, profile, say)
     if config.plan_file is not None:
         return plan_file_placement(config.plan_file, graphs, workers, config.model, config.max_tokens, profile, say)
     return policy_placement(config.model, graphs, workers, config.policy or "tessera", config.max_tokens, profile,

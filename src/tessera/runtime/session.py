@@ -15,6 +15,7 @@ from tessera.plan.deployment import DeploymentPlan, PlanFileError
 from tessera.program.placements import PLACEMENTS, synthetic_placement
 from tessera.runtime.config import RunSetupError
 from tessera.runtime.distributed import DistributedRunner
+from tessera.runtime.target_map import plan_target_map, target_map
 
 CTX_BUCKET = 64  # the KV cache is sized to prompt + new tokens rounded up to this
 TEXT_FAMILIES = ("llm", "moe", "ssm")
@@ -69,8 +70,10 @@ class RunPlacement:
 
 
 def placements_from_plan(plan: DeploymentPlan, graphs: dict[str, KernelGraph], workers: int,
-                         source: str = "the plan") -> tuple[dict[str, list[int]], dict[str, int]]:
-    """Each phase's kernel -> worker from a deployment plan made for exactly these graphs."""
+                         source: str = "the plan", worker_of: dict[str, int] | None = None
+                         ) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Each phase's kernel -> worker from a deployment plan made for exactly these graphs: plan target i is
+    worker i, or worker ``worker_of[name]`` of the plan's target of that name (a plan for another cluster)."""
     if not plan.applicable or not plan.feasible:
         raise PlanFileError(f"{source} ({plan.policy}) is not a runnable plan: {plan.reason}")
     if len(plan.extra.get("replicas", [])) > 1:
@@ -84,11 +87,14 @@ def placements_from_plan(plan: DeploymentPlan, graphs: dict[str, KernelGraph], w
         if step.expert_parts:
             raise PlanFileError(f"{source} splits MoE expert GEMMs over devices ({len(step.expert_parts)} kernels), "
                                 "which the runtime does not execute yet; plan with --no-expert-split")
-        used = max(step.assignment) + offset + 1
+        placed = [a + offset for a in step.assignment]
+        if worker_of is not None:
+            placed = [worker_of[plan.targets[a]] for a in placed]
+        used = max(placed) + 1
         if used > workers:
             raise PlanFileError(f"{source} places kernels on {used} devices ({', '.join(plan.targets)}) but the "
                                 f"cluster has {workers} workers; run it on a cluster with at least {used}")
-        out[phase], mbs[phase] = [a + offset for a in step.assignment], step.micro_batches
+        out[phase], mbs[phase] = placed, step.micro_batches
     return out, mbs
 
 
@@ -119,16 +125,17 @@ def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
 
 def runtime_context(model: str, workers: int, prompt_tokens: int, max_tokens: int, ctx: int, batch: int = 1,
                     micro_batches: int = 1, profile=None, log: Callable[[str], None] = lambda s: None,
-                    image: str | None = None):
-    """The planning context of a run: ``batch`` requests of ``prompt_tokens`` on ``cpu:workers``, every phase
-    traced at the runtime's shapes (cache ``ctx``, ``micro_batches`` decode micro-batches sharing state
-    instances with the prefill), no MoE expert splits."""
+                    image: str | None = None, cluster: str | None = None):
+    """The planning context of a run: ``batch`` requests of ``prompt_tokens`` on ``cpu:workers`` (or on
+    ``cluster``, whose plan the workers stand in for), every phase traced at the runtime's shapes (cache
+    ``ctx``, ``micro_batches`` decode micro-batches sharing state instances with the prefill), no MoE expert
+    splits."""
     from tessera.hardware.cluster import parse_cluster
     from tessera.plan.context import PlanContext
     from tessera.workload import parse_workload
 
     text = f"fixed:in={prompt_tokens},out={max_tokens},requests={batch}"
-    return PlanContext(model, parse_cluster(f"cpu:{workers}"), parse_workload(text), text, max_batch=batch,
+    return PlanContext(model, parse_cluster(cluster or f"cpu:{workers}"), parse_workload(text), text, max_batch=batch,
                        profile=profile, cache_ctx=ctx, split_experts=False, micro_batches=micro_batches,
                        progress=log, image=image, single_replica=True)
 
@@ -168,14 +175,48 @@ def synthetic(graphs: dict[str, KernelGraph], workers: int, kind: str, seed: int
 
 def plan_file_placement(path: Path, graphs: dict[str, KernelGraph], workers: int, model: str, max_tokens: int,
                         profile=None, log: Callable[[str], None] = lambda s: None) -> RunPlacement:
-    """The placement of a plan file (checked against the graphs); re-planning falls back to ``tessera``."""
+    """The placement of a plan file (checked against the graphs; a plan for GPUs runs its target i on worker
+    cpu:i); re-planning falls back to ``tessera`` for the workers."""
     plan = DeploymentPlan.load(path)
-    placements, mbs = placements_from_plan(plan, graphs, workers, f"plan file {path}")
+    mapping = plan_target_map(plan.targets, plan.cluster, workers, f"plan file {path} ({plan.policy})")
+    placements, mbs = placements_from_plan(plan, graphs, workers, f"plan file {path}",
+                                           mapping.worker_of if mapping else None)
 
     def replan(n: int) -> dict[str, list[int]]:
         return policy_placement(model, graphs, n, "tessera", max_tokens, profile, log=log).placements
 
-    return RunPlacement(placements, mbs, f"{plan.policy} plan from {path}", replan, plan)
+    how = f"{plan.policy} plan from {path}" + (f", run on stand-in workers {mapping.describe()}" if mapping else "")
+    return RunPlacement(placements, mbs, how, replan, plan)
+
+
+def placement_for(model: str, graphs: dict[str, KernelGraph], workers: int, cluster: str, policy: str,
+                  max_tokens: int, device: str | None = None, fallback_profile=None,
+                  log: Callable[[str], None] = lambda s: None) -> RunPlacement:
+    """Plan ``policy`` on ``cluster`` (its cost model) for these graphs and map its targets onto the workers.
+    Re-planning after a lost worker plans ``tessera`` for the surviving workers themselves (with
+    ``fallback_profile``, this host's measured kernel times), as for a plan file.
+
+    Raises:
+        TargetMapError: see :func:`target_map`.
+        PlanFileError: the plan cannot run on one runner (replicas, expert splits, not feasible).
+    """
+    from tessera.plan.planner import plan_policy
+
+    mapping = target_map(cluster, workers)
+    prefill = graphs["prefill"]
+    pctx = runtime_context(model, workers, prefill.meta["seq"], max_tokens, prefill.meta["ctx"], log=log,
+                           cluster=cluster)
+    plan = plan_policy(pctx, policy, "throughput", device)
+    placements, mbs = placements_from_plan(plan, graphs, workers, f"the {policy} plan for {mapping.cluster}",
+                                           mapping.worker_of)
+    per_token = f"{plan.latency_s * 1e3:.3g} ms" if plan.latency_s < 1 else f"{plan.latency_s:.3g} s"
+    how = (f"{policy} plan for {mapping.cluster} (its cost model: {per_token} per token predicted"
+           f"{'; ' + plan.reason if plan.reason else ''}), run on stand-in workers {mapping.describe()}")
+
+    def replan(n: int) -> dict[str, list[int]]:
+        return policy_placement(model, graphs, n, "tessera", max_tokens, fallback_profile, log=log).placements
+
+    return RunPlacement(placements, mbs, how, replan, plan)
 
 
 def distributed_runner_fn(runner: DistributedRunner
@@ -190,6 +231,22 @@ def describe_transfers(runner: DistributedRunner) -> str:
     for ph, sp in runner.programs.items():
         counts = [sp.placement.count(d) for d in range(len(sp.devices))]
         split = ", ".join(f"{n} on {dev}" for n, dev in zip(counts, sp.devices, strict=True) if n)
-        parts.append(f"{ph}: {len(sp.placement)} kernels ({split}), {len(sp.transfers)} transfers, "
+        n = len(sp.transfers)
+        parts.append(f"{ph}: {len(sp.placement)} kernels ({split}), {n} transfer{'s' if n != 1 else ''}, "
                      f"{sp.cut_bytes / 1e3:.1f} kB per step")
     return "; ".join(parts)
+
+
+def describe_made(runner: DistributedRunner) -> str:
+    """What the run's steps sent between workers: per phase the steps, messages and bytes, then the state
+    moves (the state a phase needs from the worker another phase wrote it on)."""
+    parts = []
+    for ph, made in runner.made.items():
+        steps = f"{made.steps} step{'s' if made.steps != 1 else ''}"
+        if made.jobs:
+            steps += f" + {made.jobs} streamed micro-batch steps"
+        parts.append(f"{ph} {steps}, {made.messages} message{'s' if made.messages != 1 else ''}, "
+                     f"{made.nbytes / 1e3:.1f} kB")
+    moves = (f"{runner.moves_made} state move{'s' if runner.moves_made != 1 else ''}, {runner.moved_bytes / 1e3:.1f} kB"
+             if runner.moves_made else "no state moves")
+    return "transfers made: " + "; ".join(parts or ["no steps"]) + f"; {moves}"
