@@ -44,6 +44,9 @@ def simulate(
     weights_dtype: str = opt.WEIGHTS_DTYPE,
     kv_dtype: str = opt.KV_DTYPE,
     skew: float = opt.ROUTING_SKEW,
+    engine_shapes: bool = typer.Option(True, "--engine-shapes/--static-shapes", help="Run steps at their own "
+                                       "rows, prompt and context, as a serving engine does (default), or padded "
+                                       "to the power-of-two buckets `tessera serve` traces."),
     as_json: bool = opt.JSON,
 ) -> None:
     """Simulate serving a workload: the planned deployment's steps timed by running its device programs
@@ -63,7 +66,7 @@ def simulate(
         with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=_err, transient=True, disable=as_json) as bar:
             task = bar.add_task("requests", total=None)
-            result = run_simulation(ctx, plan, seed, max_context=max_context,
+            result = run_simulation(ctx, plan, seed, max_context=max_context, engine_shapes=engine_shapes,
                                     progress=lambda done, total: bar.update(task, completed=done, total=total))
     except TesseraError as e:
         _fail(e)

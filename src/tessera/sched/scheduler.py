@@ -45,6 +45,7 @@ once), then the batched stage runs every request that is ready for it.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -117,6 +118,7 @@ class Buckets:
     batch: tuple[int, ...]
     seq: tuple[int, ...] = ()
     ctx: tuple[int, ...] = ()
+    paged: bool = False  # a step's context is its rows' mean (paged attention reads each row's own), not the longest
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "ctx"):
@@ -135,10 +137,18 @@ class Buckets:
                        powers_of_two(min(2 * min_seq, max_context), max_context))
 
     @staticmethod
+    def fine(max_batch: int, max_context: int, granule: int = 16) -> Buckets:
+        """An engine's shapes, with no padding to speak of: every row count 1 .. max_batch, prompts and
+        contexts rounded up to ``granule`` tokens (a KV block), up to max_context; a decode step's context
+        is its rows' mean (paged attention)."""
+        sizes = tuple(range(granule, max_context, granule)) + (max_context,)
+        return Buckets(tuple(range(1, max_batch + 1)), sizes, sizes, paged=True)
+
+    @staticmethod
     def _fit(values: tuple[int, ...], n: int, what: str) -> int:
-        for v in values:
-            if v >= n:
-                return v
+        i = bisect.bisect_left(values, n)
+        if i < len(values):
+            return values[i]
         raise SchedulerError(f"{what} {n} is above the largest bucket ({values[-1] if values else 'none'})")
 
     def rows(self, n: int) -> int:
@@ -287,7 +297,9 @@ class Scheduler:
                 if self.kv is not None:
                     rows = self._grow(rows, now)
                 if rows:
-                    ctx = self.buckets.context(max(r.context for r in rows)) if self.buckets.ctx else None
+                    longest = (-(-sum(r.context for r in rows) // len(rows)) if self.buckets.paged else
+                               max(r.context for r in rows))
+                    ctx = self.buckets.context(longest) if self.buckets.ctx else None
                     return self._handed(ScheduledStep(stage.phase, rows, self.buckets.rows(len(rows)), None, ctx))
                 continue
             ready = [r for r in self.running if r.stage == i and r.ready_s <= now]

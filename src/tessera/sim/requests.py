@@ -67,6 +67,8 @@ class Engine:
     speed: float
     delays: dict[str, float] = field(default_factory=dict)
     steps: int = 0
+    engine_shapes: bool = False  # steps at their own shapes, timed between grid shapes (no padding)
+    min_prompt: int = 1
 
 
 def arrivals(workload: Workload, seed: int = 0) -> list[Request]:
@@ -124,9 +126,11 @@ def _timer(ctx: PlanContext, steps: list[StepPlan], targets: list[Target], feedb
 
 def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throughput",
                 max_context: int | None = DEFAULT_MAX_CONTEXT, feedback_s: float = 0.0, min_prompt: int = 128,
-                link: Link | None = None) -> list[Engine]:
+                link: Link | None = None, engine_shapes: bool = False) -> list[Engine]:
     """The replicas that serve ``plan``, each with its scheduler (prompt buckets from ``min_prompt`` tokens)
-    and step timer (``link``: every pair of targets talks over this link instead of the cluster's)."""
+    and step timer (``link``: every pair of targets talks over this link instead of the cluster's).
+    ``engine_shapes``: steps run at their own rows, prompt and context (16-token granules), as a serving
+    engine runs them, instead of padded to the static power-of-two buckets Tessera's own server uses."""
     if not plan.applicable:
         raise SimulationSetupError(f"{plan.policy} does not apply to {plan.model}: {plan.reason}")
     if not plan.feasible:
@@ -170,13 +174,17 @@ def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throug
         main = max(steps, key=lambda s: s.repeats)
         slots, kv = _admission(plan, name, admission, family, main.batch)
         for r in range(count):
-            buckets = Buckets.default(slots, None if family == "diffusion" else max_context, min_prompt)
+            context = None if family == "diffusion" else max_context
+            buckets = (Buckets.fine(slots, context) if engine_shapes and context else
+                       Buckets(tuple(range(1, slots + 1))) if engine_shapes else
+                       Buckets.default(slots, context, min_prompt))
             if family == "ssm":  # an SSM's state does not grow with the context: one decode shape
                 buckets = Buckets(buckets.batch, buckets.seq)
             sched = Scheduler(stages_for(family, denoise), slots, buckets,
                               None if family == "diffusion" else max_context, kv=kv)
             engines.append(Engine(f"{name}#{r}" if count > 1 else name, sched, timer,
-                                  _lanes(steps, targets if shared else None), speed, _delays(moves, steps)))
+                                  _lanes(steps, targets if shared else None), speed, _delays(moves, steps),
+                                  engine_shapes=engine_shapes, min_prompt=min_prompt))
     return engines
 
 
@@ -239,9 +247,13 @@ def _route(engines: list[Engine], req: Request) -> Engine:
 
 
 def _duration(engine: Engine, lane: Lane, step: ScheduledStep, now: float) -> float:
-    t = engine.timer.time(step.phase, step.rows, step.seq, step.ctx)
-    streaming = lane.last_bucket == step.bucket and lane.busy_until >= now
-    return t.period_s if streaming else t.first_s
+    if engine.engine_shapes:  # the same phase and rows stream on even as the context grows
+        t = engine.timer.interpolated(step.phase, step.rows, step.seq, step.ctx, engine.min_prompt)
+        streaming = lane.last_bucket is not None and lane.last_bucket[:2] == step.bucket[:2]
+    else:
+        t = engine.timer.time(step.phase, step.rows, step.seq, step.ctx)
+        streaming = lane.last_bucket == step.bucket
+    return t.period_s if streaming and lane.busy_until >= now else t.first_s
 
 
 def run_requests(engines: list[Engine], requests: list[Request], progress=None) -> list[Request]:
@@ -299,10 +311,11 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
 def simulate(ctx: PlanContext, plan: DeploymentPlan, seed: int = 0, objective: str = "throughput",
              max_context: int | None = DEFAULT_MAX_CONTEXT, feedback_s: float = 0.0, progress=None,
              workload: Workload | None = None, min_prompt: int = 128, link: Link | None = None,
-             draws: list[tuple[float, int, int]] | None = None) -> SimResult:
+             draws: list[tuple[float, int, int]] | None = None, engine_shapes: bool = False) -> SimResult:
     """Serve ``workload`` (default: ``ctx``'s; or explicit ``draws`` of (arrival, input, output)) with ``plan``:
-    every arrival completes or is rejected. ``progress(done, total)`` is called as requests finish."""
-    engines = engines_for(ctx, plan, objective, max_context, feedback_s, min_prompt, link)
+    every arrival completes or is rejected. ``progress(done, total)`` is called as requests finish.
+    ``engine_shapes``: steps at their own shapes as a serving engine runs them (see `engines_for`)."""
+    engines = engines_for(ctx, plan, objective, max_context, feedback_s, min_prompt, link, engine_shapes)
     requests = ([Request(i, t, a, b) for i, (t, a, b) in enumerate(draws)] if draws is not None
                 else arrivals(workload or ctx.workload, seed))
     requests = run_requests(engines, requests, progress)

@@ -17,6 +17,7 @@ combine, as the parts run in parallel; the parts' token transfers are not in the
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
@@ -149,6 +150,31 @@ class StepTimer:
                 out[k] = slowest + times[ks[-1]]
         return out
 
+    def interpolated(self, phase: str, rows: int, seq: int | None = None, ctx: int | None = None,
+                     min_seq: int = 1) -> StepTime:
+        """The step at any shape, as an engine runs it without padding: multilinear between the shapes of
+        the power-of-two grid around it (rows, prompt, context; a prefill's cache follows its prompt), each
+        traced and timed once. Kernel times are linear in rows and tokens between grid points up to tile
+        and wave effects, and the quadratic part of prefill attention makes the estimate slightly high."""
+        dims = [_bracket(rows, 1), _bracket(seq, min_seq), None if phase == "prefill" else _bracket(ctx, 1)]
+        corners = [((r, 1.0),) if r is None else r for r in dims]
+        first = period = 0.0
+        busy = None
+        nearest = None
+        for (r, wr), (q, wq), (c, wc) in itertools.product(*corners):
+            w = wr * wq * wc
+            if w <= 0:
+                continue
+            t = self.time(phase, r, q, q if phase == "prefill" and ctx is not None else c)
+            first += w * t.first_s
+            period += w * t.period_s
+            b = np.array(t.busy_s) * w
+            busy = b if busy is None else busy + b
+            nearest = (w, t) if nearest is None or w > nearest[0] else nearest
+        _, base = nearest
+        return StepTime(phase, rows, seq, ctx, base.micro_batches, first, min(period, first),
+                        tuple(float(x) for x in busy), base.cut_bytes, base.targets)
+
     def time(self, phase: str, rows: int, seq: int | None = None, ctx: int | None = None) -> StepTime:
         """The step of ``phase`` at ``rows`` rows (and prompt / context buckets), timed (cached)."""
         key = (phase, rows, seq, ctx)
@@ -168,3 +194,15 @@ class StepTimer:
             self._cache[key] = StepTime(phase, rows, seq, ctx, sp.micro_batches, first, min(stream.period_s, first),
                                         tuple(alone.busy_s), sp.cut_bytes, used)
         return self._cache[key]
+
+
+def _bracket(value: int | None, lowest: int) -> tuple[tuple[int | None, float], ...]:
+    """The power-of-two grid points around ``value`` (at least ``lowest``) with their linear weights."""
+    if value is None:
+        return ((None, 1.0),)
+    lo = max(lowest, 1 << (max(int(value), 1).bit_length() - 1))
+    if lo >= value:
+        return ((int(value), 1.0),)
+    hi = 1 << (int(value) - 1).bit_length()  # the smallest power of two >= value
+    t = (value - lo) / (hi - lo)
+    return ((lo, 1.0 - t), (hi, t))
