@@ -9,12 +9,12 @@ from typing import Any
 
 from tessera.errors import TesseraError
 from tessera.limits import REQUESTS
-from tessera.workload import DEFAULT_IMAGE_WORKLOAD, DEFAULT_TEXT_WORKLOAD
+from tessera.workload import DEFAULT_IMAGE_WORKLOAD
 
 SECTIONS = ("offline", "online", "clusters", "network", "two-gpus")
 MODELS = ("llama-3.1-8b", "gpt-oss-20b", "mamba-codestral-7b", "qwen2.5-vl-7b", "sd3.5-medium")
 PAIRS = ("A100+L40S", "H100+RTXPRO6000", "B200+H100")
-LLM_WORKLOAD = DEFAULT_TEXT_WORKLOAD
+LLM_WORKLOAD = None  # each text family's steady-state default (tessera.workload.default_workload)
 IMAGE_WORKLOAD = f"{DEFAULT_IMAGE_WORKLOAD},requests=16"
 
 
@@ -28,9 +28,9 @@ class SuiteConfig:
 
     models: tuple[str, ...] = MODELS
     pairs: tuple[str, ...] = PAIRS
-    llm_workload: str = LLM_WORKLOAD
+    llm_workload: str | None = LLM_WORKLOAD  # None: the family's default (Llama 1024 outputs, MoE 384, VLM/SSM 128)
     image_workload: str = IMAGE_WORKLOAD
-    max_batch: int | None = None  # None: 64 sequences (4 images) in flight, at most the requests of the workload
+    max_batch: int | None = None  # None: engines admit from memory, up to 256 sequences (4 images) in flight
     online_models: tuple[str, ...] = ("llama-3.1-8b", "gpt-oss-20b", "mamba-codestral-7b", "qwen2.5-vl-7b")
     online_pair: str = "A100+L40S"
     online_lengths: str = "azure-conv"
@@ -78,7 +78,8 @@ class SuiteConfig:
             split_pair(pair)
         for _, spec in self.clusters:
             parse_cluster(spec)
-        parse_workload(self.llm_workload)
+        if self.llm_workload is not None:
+            parse_workload(self.llm_workload)
         parse_workload(self.image_workload)
         load_lengths(self.online_lengths)
         if self.policies is not None:

@@ -157,11 +157,17 @@ def _summary_md(result: SuiteResult) -> list[str]:
 def _offline_md(result: SuiteResult) -> list[str]:
     cfg = result.config
     lines = ["## Offline throughput (predicted)", "",
-             f"One GPU of each type, 200 Gb/s InfiniBand between them. Workloads: `{cfg.llm_workload}` for the LLMs and "
-             f"`{cfg.image_workload}` for diffusion, all requests arriving at once, "
-             f"{'at most ' + str(cfg.max_batch) if cfg.max_batch else 'at most 64 sequences (4 images)'} in "
-             "flight. Throughput is outputs over the makespan: tokens/s (images/s for diffusion models); each "
-             "cell is the simulated figure, the planner's estimate in brackets.", "",
+             "One GPU of each type, 200 Gb/s InfiniBand between them. Workloads: "
+             + (f"`{cfg.llm_workload}` for the LLMs" if cfg.llm_workload else
+                "each family's steady-state default (`offline:prompts=azure-conv,out=N,requests=1000`: Llama "
+                "1024 outputs, GPT-oss 384, Qwen2.5-VL and Mamba 128)")
+             + f" and `{cfg.image_workload}` for diffusion, all requests arriving at once; "
+             + (f"at most {cfg.max_batch} in flight" if cfg.max_batch else
+                "each engine admits the sequences its memory holds (paged KV, 0.9 of each GPU, at most 256; 4 "
+                "images)")
+             + ". Throughput is outputs over the makespan: tokens/s (images/s for diffusion models); each "
+             "cell is the simulated figure (steps at the engine's own shapes), the planner's steady-state "
+             "estimate in brackets.", "",
              "![Offline throughput relative to the expensive GPU alone](offline_throughput.png)", ""]
     return lines + _pair_tables(result, lambda r: f"{_num(r.simulated)} ({_num(r.planned)})", with_unit=True)
 

@@ -87,8 +87,12 @@ class Suite:
 
     def workload_for(self, model: str) -> str:
         from tessera.capture.models import resolve_model
+        from tessera.workload import default_workload
 
-        return self.config.image_workload if resolve_model(model).family == "diffusion" else self.config.llm_workload
+        family = resolve_model(model).family
+        if family == "diffusion":
+            return self.config.image_workload
+        return self.config.llm_workload or default_workload(family)
 
     def context(self, model: str, cluster, workload_text: str):
         """A PlanContext sharing this model's traced graphs with every other context of the suite."""
@@ -132,7 +136,7 @@ class Suite:
             run.status = "no fit"
             return run
         try:
-            res = simulate(ctx, plan, seed=self.config.seed)
+            res = simulate(ctx, plan, seed=self.config.seed, engine_shapes=True)
         except TesseraError as e:
             run.status, run.reason = "failed", f"{e}"
             return run
@@ -285,7 +289,7 @@ class Suite:
         from tessera.workload import PoissonWorkload
 
         w = PoissonWorkload(rate, ctx.workload.lengths, self.config.online_requests)
-        return simulate(ctx, plan, seed=self.config.seed, workload=w)
+        return simulate(ctx, plan, seed=self.config.seed, workload=w, engine_shapes=True)
 
     def _sustained(self, ctx, plan, mean_out: float) -> OnlineRun:
         """Bisection on the Poisson rate (geometric): bracket the target within a factor of 2 from the
