@@ -1,0 +1,56 @@
+"""Engine shapes in the simulator: steps at their own rows, prompt and context (16-token granules), a decode
+step's context its rows' mean, timed multilinearly between traced power-of-two shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.hardware.cluster import parse_cluster
+from tessera.plan.context import PlanContext
+from tessera.plan.planner import plan_policy
+from tessera.sched.scheduler import Buckets, Request, Scheduler, stages_for
+from tessera.sim.requests import engines_for, simulate
+from tessera.workload import parse_workload
+
+WORKLOAD = "offline:prompts=azure-conv,out=32,requests=40"
+
+
+@pytest.fixture(scope="module")
+def a100():
+    ctx = PlanContext("smollm2-135m", parse_cluster("A100:1"), parse_workload(WORKLOAD), WORKLOAD)
+    return ctx, plan_policy(ctx, "homogeneous")
+
+
+def test_fine_buckets_pad_to_a_block_and_a_step_reads_its_rows_mean_context():
+    b = Buckets.fine(6, 100, 16)
+    assert b.rows(5) == 5 and b.prompt(17) == 32 and b.context(100) == 100 and b.paged
+    sched = Scheduler(stages_for("llm"), 6, b, 100)
+    for i, n in enumerate((10, 40)):
+        sched.submit(Request(i, 0.0, n, 4))
+    for _ in range(2):  # both prompts fill their caches
+        step = sched.next_step(0.0)
+        sched.complete(step, 0.0, 0.0)
+    step = sched.next_step(0.0)
+    assert step.phase == "decode" and step.rows == 2
+    assert step.ctx == 32  # mean context (10 + 40) / 2 = 25, in a 16-token granule; the longest would be 48
+
+
+def test_interpolated_times_are_exact_on_the_grid_and_linear_between(a100):
+    ctx, plan = a100
+    timer = engines_for(ctx, plan, engine_shapes=True)[0].timer
+    lo, hi = timer.time("decode", 8, None, 512), timer.time("decode", 16, None, 512)
+    assert timer.interpolated("decode", 8, None, 512).first_s == pytest.approx(lo.first_s)
+    mid = timer.interpolated("decode", 12, None, 512)
+    assert mid.first_s == pytest.approx((lo.first_s + hi.first_s) / 2)
+    c1, c2 = timer.time("decode", 8, None, 512), timer.time("decode", 8, None, 1024)
+    assert timer.interpolated("decode", 8, None, 640).first_s == pytest.approx(0.75 * c1.first_s + 0.25 * c2.first_s)
+    p1, p2 = timer.time("prefill", 1, 256, 256), timer.time("prefill", 1, 512, 512)
+    assert timer.interpolated("prefill", 1, 384, 384).first_s == pytest.approx((p1.first_s + p2.first_s) / 2)
+
+
+def test_engine_shapes_run_faster_than_padded_buckets_and_complete_everything(a100):
+    ctx, plan = a100
+    engine, padded = simulate(ctx, plan, engine_shapes=True), simulate(ctx, plan)
+    assert engine.completed == padded.completed == 40
+    assert engine.throughput > padded.throughput  # prompts padded to powers of two cost up to 2x
+    assert engine.throughput <= plan.throughput * 1.05  # and not above the planner's steady state
