@@ -137,8 +137,8 @@ def _mix_plan(routes: list[Route], rates: np.ndarray, outputs: float, prices: di
               price_scenario: str) -> DeploymentPlan:
     """The deployment plan of a mix: both routes' step plans (tagged with their route), memory per device."""
     first = routes[0].plan
-    names = sorted({t for r in routes for t in r.plan.targets}, key=lambda t: min(
-        (r.plan.targets.index(t) + 100 * k for k, r in enumerate(routes) if t in r.plan.targets)))
+    held = {t for r in routes for t in r.plan.targets}
+    names = [t for t in prices if t in held] + sorted(held - set(prices))  # the cluster's order
     memory, capacity = [], []
     for name in names:
         holders = [r.plan for r in routes if name in r.plan.targets]
