@@ -60,6 +60,7 @@ from tessera.plan.targets import MEMORY_USABLE, Target, cluster_targets
 from tessera.workload import FixedWorkload, OfflineWorkload
 
 
+NO_HEADROOM = 0.01  # a bound within 1% of the best baseline leaves no headroom to share
 LOWEST_CANDIDATE = 8  # the repeated phase's candidate batches go down to B / 8 (an engine at B in 8 micro-batches)
 
 
@@ -95,6 +96,14 @@ class ThroughputBound:
                 "batch_share": {str(k): v for k, v in self.batch_share.items()}, "work_share": self.work_share,
                 "compute_types": list(self.compute_types), "limited_by": self.limited_by, "seconds": self.seconds,
                 "memory": self.memory}
+
+
+def headroom_share(throughput: float, baseline: float, bound: float) -> float | None:
+    """The share of the headroom above the best baseline that a plan takes: (plan - baseline) / (bound -
+    baseline); None when the bound is within 1% of the baseline (no headroom to take)."""
+    if not bound > baseline * (1 + NO_HEADROOM):
+        return None
+    return (throughput - baseline) / (bound - baseline)
 
 
 def single_targets(ctx: PlanContext) -> tuple[list[str], list[int], list[Target]]:
