@@ -59,7 +59,6 @@ from tessera.plan.groups import default_routing
 from tessera.plan.targets import MEMORY_USABLE, Target, cluster_targets
 from tessera.workload import FixedWorkload, OfflineWorkload
 
-
 NO_HEADROOM = 0.01  # a bound within 1% of the best baseline leaves no headroom to share
 LOWEST_CANDIDATE = 8  # the repeated phase's candidate batches go down to B / 8 (an engine at B in 8 micro-batches)
 
@@ -165,15 +164,26 @@ def candidate_batches(batch: int, lowest: int = LOWEST_CANDIDATE) -> tuple[int, 
 
 
 @dataclass
-class _Mode:
-    """One phase at one batch: per-request weight (repeats / rows), whole-kernel GPU-seconds per step on
-    each type [K, D] (inf: cannot run there), and split kernels' parts and combine [J, D] by graph kernel."""
+class PhaseCosts:
+    """One phase at one batch: ``weight`` = steps per request / rows per step, ``whole[k, t]`` the
+    GPU-seconds of kernel k per step on type t (inf: it cannot run there), and ``split[k]`` [J, D] the
+    parts and combine of a grouped expert GEMM that may be split instead of run whole."""
 
     phase: str
     batch: int
     weight: float
     whole: np.ndarray
-    split: dict[int, np.ndarray]
+    split: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FractionalSolution:
+    """The LP's optimum: the busiest type's per-GPU seconds per request, each type's GPU-seconds per
+    request, and the share of requests at each of the repeated phase's batches."""
+
+    request_time_s: float
+    loads: np.ndarray
+    batch_share: np.ndarray
 
 
 def _target_times(ctx: PlanContext, phase: PhaseSpec, graph, features, routing, target: Target,
@@ -190,7 +200,7 @@ def _target_times(ctx: PlanContext, phase: PhaseSpec, graph, features, routing, 
 
 
 def _mode(ctx: PlanContext, phase: PhaseSpec, singles: list[Target], counts: list[int], names: list[str],
-          cache: dict) -> _Mode:
+          cache: dict) -> PhaseCosts:
     """A phase's kernel costs on one GPU of each type (a group's GPU-seconds where they are smaller), and
     the parts of its expert GEMMs when Tessera may split them."""
     graph = ctx.graph(phase)
@@ -211,7 +221,7 @@ def _mode(ctx: PlanContext, phase: PhaseSpec, singles: list[Target], counts: lis
     split: dict[int, np.ndarray] = {}
     if ctx.spec.family == "moe" and ctx.split_experts and routing is not None:
         split = _expert_splits(ctx, features, singles, routing)
-    return _Mode(phase.phase, phase.batch, phase.repeats / phase.rows, whole, split)
+    return PhaseCosts(phase.phase, phase.batch, phase.repeats / phase.rows, whole, split)
 
 
 def _expert_splits(ctx: PlanContext, features, singles: list[Target], routing) -> dict[int, np.ndarray]:
@@ -246,7 +256,8 @@ def upper_bound(ctx: PlanContext) -> ThroughputBound:
     for b in candidates:
         child = ctx.for_batch(b)
         repeated.append(_mode(child, child.main_phase, singles, counts, names, cache))
-    t_req, loads, shares = _solve(fixed, repeated, np.array(counts, dtype=float))
+    lp = fractional_request_time(fixed, repeated, counts)
+    t_req, loads, shares = lp.request_time_s, lp.loads, lp.batch_share
     top = max(loads / np.array(counts))
     bound = ThroughputBound(
         throughput=ctx.outputs_per_request / t_req if t_req > 0 else float("inf"), unit=ctx.unit,
@@ -290,10 +301,14 @@ def _place(lp: _Columns, cost: np.ndarray, weight: float, load: list[list[tuple[
         load[d].append((cols[finite[:, d], d], weight * cost[finite[:, d], d]))
 
 
-def _solve(fixed: list[_Mode], repeated: list[_Mode], counts: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
-    """The LP: (T in seconds, per-request GPU-seconds on each type, share of requests at each repeated mode).
+def fractional_request_time(fixed: list[PhaseCosts], repeated: list[PhaseCosts],
+                            gpus: np.ndarray | list[int]) -> FractionalSolution:
+    """The LP over kernel fractions: the least per-GPU seconds per request of the busiest device type
+    (``gpus[t]`` GPUs of type t), the ``fixed`` phases run once each, the repeated phase at one of the
+    ``repeated`` batches per request (in any mix).
     Every kernel of a mode is placed in full at the mode's share (1 for the fixed phases): whole on the
     types, or (split expert GEMMs) at a split share u with each part and the combine placed at u."""
+    counts = np.asarray(gpus, dtype=float)
     d = len(counts)
     scale = sum(m.weight * float(np.where(np.isfinite(m.whole), m.whole, np.inf).min(axis=1).sum())
                 for m in [*fixed, repeated[-1]]) or 1.0
@@ -314,7 +329,7 @@ def _solve(fixed: list[_Mode], repeated: list[_Mode], counts: np.ndarray) -> tup
                np.concatenate([v for _, v in load[dd]] + [[-counts[dd]]]), -highspy.kHighsInf, 0.0)
     value = _run(lp, t_col)
     loads = np.array([sum(float(np.dot(value[c], v)) for c, v in load[dd]) for dd in range(d)])
-    return float(value[t_col]) * scale, loads * scale, value[z]
+    return FractionalSolution(float(value[t_col]) * scale, loads * scale, value[z])
 
 
 def _run(lp: _Columns, t_col: int) -> np.ndarray:
