@@ -76,7 +76,7 @@ def test_no_policy_beats_the_bound(tiny_models, case):
         assert bound.batch == batch and bound.batch_limited_by == "fixed batch"
     else:
         assert bound.batch == ctx.admission.max_num_seqs and bound.batch_limited_by == "max_num_seqs"
-        assert bound.candidates == (32, 64, 128, 256)  # down to B / 8; the plans run 64 rows (and M of them)
+        assert bound.candidates == (32, 64, 128, 256)  # down to B / 8; the plans run 64 rows in M = 1..8
 
 
 def test_lp_is_exact_on_a_hand_computed_instance():
@@ -124,7 +124,8 @@ def test_memory_shrinks_the_batch_where_it_binds():
 
 def test_candidates_and_headroom():
     assert candidate_batches(256) == (32, 64, 128, 256)
-    assert candidate_batches(44) == (8, 16, 32, 44)
+    assert candidate_batches(44) == (5, 11, 22, 44)
+    assert candidate_batches(48) == (6, 12, 24, 48)  # the planner's graphs for an engine at 48 and M = 1..8
     assert candidate_batches(1) == (1,)
     assert headroom_share(150.0, 100.0, 200.0) == pytest.approx(0.5)
     assert headroom_share(100.0, 100.0, 100.5) is None  # within 1%: no headroom

@@ -8,8 +8,10 @@ per-GPU load ``T``; the bound is ``outputs per request / T``, in the plan's unit
 Batch. A plan's per-request work depends on the rows a step serves: a decode step of ``b`` sequences
 costs ``t(b)`` and serves ``b`` requests one token each, so a kernel costs ``repeats x t(b) / b`` per
 request, which falls as ``b`` grows (weights are read once per step). The bound lets the repeated
-phase run at any candidate batch (powers of two up to ``B``, and ``B``), choosing per request which
-(an LP mode per batch), where ``B`` is the most rows one engine's step can serve:
+phase run at any candidate batch (``B // M`` for every micro-batch count M the planner uses: 1, 2, 4,
+8), choosing per request which (an LP mode per batch), where ``B`` is the most rows one engine can
+admit (per engine, not over the cluster: a step's cost depends on its own rows only, and more engines
+only add GPUs, which the LP counts already):
 
 * at most ``AdmissionConfig.max_num_seqs`` (an engine admits no more), or the fixed ``--max-batch``
   when one is given (a plan then runs at most that many rows per engine);
@@ -32,8 +34,10 @@ a group that shards better than linearly is covered); split experts are an LP mo
 (each part and the combine fractionally placed). An engine's step serves ``b / M`` rows with ``b`` at
 most ``B`` (its own memory is part of the cluster's and holds every weight at least once; it admits at
 most ``max_num_seqs`` and the workload's requests), so its per-row cost is at least the LP's at a
-candidate batch provided the per-row cost does not rise between candidates (it falls with the rows in
-the cost model except for wave quantisation, which the candidate grid samples). So every plan's
+candidate batch provided the per-row cost does not fall below the candidates' anywhere under ``B``:
+it falls with the rows in the cost model (weights and launch floors amortised over more rows) except
+for wave quantisation of compute-bound kernels, which the candidates sample but do not exhaust; this
+is the one assumption, checked on every test case (tests/plan/test_bound.py). So every plan's
 GPU-seconds per request on each type are at least the LP's for its own fractions, the LP's optimum
 ``T`` is at most ``T_plan / replicas``, and no plan's throughput exceeds the bound. The bound is
 reached only by a placement with no transfer, dependency or memory-placement cost at all, so a plan
@@ -56,11 +60,11 @@ from tessera.hardware.cluster import SAME_DEVICE
 from tessera.plan.build import activation_peak, memory_items, target_times
 from tessera.plan.context import PhaseSpec, PlanContext
 from tessera.plan.groups import default_routing
+from tessera.plan.problem import MICRO_BATCHES
 from tessera.plan.targets import MEMORY_USABLE, Target, cluster_targets
 from tessera.workload import FixedWorkload, OfflineWorkload
 
 NO_HEADROOM = 0.01  # a bound within 1% of the best baseline leaves no headroom to share
-LOWEST_CANDIDATE = 8  # the repeated phase's candidate batches go down to B / 8 (an engine at B in 8 micro-batches)
 
 
 class BoundError(TesseraError):
@@ -152,15 +156,10 @@ def admissible_batch(ctx: PlanContext) -> tuple[int, str, dict[str, float]]:
     return max(1, batch), why, memory
 
 
-def candidate_batches(batch: int, lowest: int = LOWEST_CANDIDATE) -> tuple[int, ...]:
-    """``batch`` and the powers of two below it down to ``batch / lowest``."""
-    out = {batch}
-    b = 1
-    while b < batch:
-        if b * lowest >= batch:
-            out.add(b)
-        b *= 2
-    return tuple(sorted(out))
+def candidate_batches(batch: int) -> tuple[int, ...]:
+    """The rows of one micro-batch of an engine at ``batch`` split into each M the planner uses (``batch``,
+    ``batch // 2`` ... ``batch // 8``): the graphs the planner traces for a plan at that batch."""
+    return tuple(sorted({max(1, batch // m) for m in MICRO_BATCHES}))
 
 
 @dataclass
