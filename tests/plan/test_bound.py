@@ -71,6 +71,8 @@ def test_no_policy_beats_the_bound(tiny_models, case):
         best = max(p.throughput, p.extra.get("steady_state_throughput", 0.0))
         assert best <= bound.throughput * (1 + 1e-9), (p.policy, p.device, best, bound)
     assert sum(bound.work_share.values()) == pytest.approx(1.0)
+    assert all(sum(s.values()) == pytest.approx(1.0) for s in bound.phase_share.values())
+    assert set(bound.phase_share) == {ph.phase for ph in ctx.phases}
     assert bound.compute_types and bound.seconds > 0
     if batch is not None:
         assert bound.batch == batch and bound.batch_limited_by == "fixed batch"
@@ -93,6 +95,9 @@ def test_lp_is_exact_on_a_hand_computed_instance():
     lp = fractional_request_time([only_a], [costs], [1, 1])
     # A: 0.5 + 2 (1 - x), B: 1 + 6 x -> x = 1.5 / 8, T = 1 + 9 / 8
     assert lp.request_time_s == pytest.approx(1 + 6 * 1.5 / 8, rel=1e-9)
+    # work in fastest-type seconds: a's 2 s split 13/16 : 3/16, b's 1 s on B, the prefill's 0.5 s on A
+    assert lp.work["decode"] == pytest.approx([2 * 13 / 16, 2 * 3 / 16 + 1], rel=1e-9)
+    assert lp.work["prefill"] == pytest.approx([0.5, 0.0], abs=1e-12)
     # the repeated phase at two batches: per request the cheaper one is taken
     cheap = PhaseCosts("decode", 2, 0.5, np.array([[2.0, 6.0], [6.0, 1.0]]))
     lp = fractional_request_time([], [costs, cheap], [1, 1])

@@ -160,8 +160,9 @@ def _bound_line(plans, ctx) -> None:
     if tess.policy != "tessera" or tess.bound is None or not tess.feasible:
         return
     b = upper_bound(ctx)
-    line = (f"upper bound: {tess.bound:,.1f} {tess.unit} (fractional kernels, free transfers; {b.limited_by}); "
-            f"tessera reaches {tess.throughput / tess.bound:.0%} of it")
+    work = ", ".join(f"{t} {v:.0%}" for t, v in b.work_share.items())
+    line = (f"upper bound: {tess.bound:,.1f} {tess.unit} (fractional kernels, free transfers; {b.limited_by}; "
+            f"work {work}); tessera reaches {tess.throughput / tess.bound:.0%} of it")
     share = _headroom(plans)
     if share is not None:
         line += ("; no headroom over the best baseline" if share[0] is None else

@@ -82,7 +82,8 @@ class ThroughputBound:
     batch_limited_by: str  # "max_num_seqs", "fixed batch", "memory" or "the workload's requests"
     candidates: tuple[int, ...]  # batches the repeated phase may run at in the LP
     batch_share: dict[int, float]  # share of requests the LP ran at each candidate batch (non-zero ones)
-    work_share: dict[str, float]  # share of the per-request GPU-seconds done on each device type
+    work_share: dict[str, float]  # share of a request's work each device type does (work in fastest-type seconds)
+    phase_share: dict[str, dict[str, float]]  # phase -> device type -> share of that phase's work
     compute_types: tuple[str, ...]  # device types whose per-GPU load is T
     seconds: float  # to compute the bound (tracing, cost model, LP)
     memory: dict[str, float] = field(default_factory=dict)  # the batch's memory arithmetic, in bytes
@@ -97,6 +98,7 @@ class ThroughputBound:
         return {"throughput": self.throughput, "unit": self.unit, "request_time_s": self.request_time_s,
                 "batch": self.batch, "batch_limited_by": self.batch_limited_by, "candidates": list(self.candidates),
                 "batch_share": {str(k): v for k, v in self.batch_share.items()}, "work_share": self.work_share,
+                "phase_share": self.phase_share,
                 "compute_types": list(self.compute_types), "limited_by": self.limited_by, "seconds": self.seconds,
                 "memory": self.memory}
 
@@ -183,6 +185,7 @@ class FractionalSolution:
     request_time_s: float
     loads: np.ndarray
     batch_share: np.ndarray
+    work: dict[str, np.ndarray]  # phase -> [D] its work per request on each type (fastest-type seconds)
 
 
 def _target_times(ctx: PlanContext, phase: PhaseSpec, graph, features, routing, target: Target,
@@ -262,11 +265,17 @@ def upper_bound(ctx: PlanContext) -> ThroughputBound:
         throughput=ctx.outputs_per_request / t_req if t_req > 0 else float("inf"), unit=ctx.unit,
         request_time_s=t_req, batch=batch, batch_limited_by=why, candidates=candidates,
         batch_share={m.batch: float(s) for m, s in zip(repeated, shares, strict=True) if s > 1e-9},
-        work_share={n: float(v / loads.sum()) for n, v in zip(names, loads, strict=True)} if loads.sum() > 0 else {},
+        work_share=_shares(names, sum(lp.work.values())),
+        phase_share={phase: _shares(names, w) for phase, w in lp.work.items()},
         compute_types=tuple(n for n, v, c in zip(names, loads, counts, strict=True) if v / c >= top * (1 - 1e-6)),
         seconds=time.perf_counter() - t0, memory=memory)
     ctx.__dict__["_bound"] = bound
     return bound
+
+
+def _shares(names: list[str], amounts: np.ndarray) -> dict[str, float]:
+    total = float(np.sum(amounts))
+    return {n: float(a) / total for n, a in zip(names, amounts, strict=True)} if total > 0 else {}
 
 
 class _Columns:
@@ -286,9 +295,10 @@ class _Columns:
 
 
 def _place(lp: _Columns, cost: np.ndarray, weight: float, load: list[list[tuple[np.ndarray, np.ndarray]]],
-           extra: list[list[tuple[int, float]]], rhs: float) -> None:
+           extra: list[list[tuple[int, float]]], rhs: float, work: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
     """Columns x[k, t] >= 0 for the finite entries of ``cost`` [K, D], one row per kernel ``sum_t x[k, t] +
-    extra[k] = rhs``; their GPU-seconds (``weight`` x cost) added to each type's load."""
+    extra[k] = rhs``; their GPU-seconds (``weight`` x cost) added to each type's load, and their work
+    (``weight`` x the kernel's time on its fastest type, a unit common to the types) to ``work``."""
     finite = np.isfinite(cost)
     cols = np.full(cost.shape, -1)
     cols[finite] = lp.new(int(finite.sum()))
@@ -296,8 +306,10 @@ def _place(lp: _Columns, cost: np.ndarray, weight: float, load: list[list[tuple[
         ks = cols[k][finite[k]]
         lp.row(np.concatenate([ks, [c for c, _ in extra[k]]]),
                np.concatenate([np.ones(len(ks)), [v for _, v in extra[k]]]), rhs, rhs)
+    fastest = np.where(finite, cost, np.inf).min(axis=1)
     for d in range(cost.shape[1]):
         load[d].append((cols[finite[:, d], d], weight * cost[finite[:, d], d]))
+        work.append((d, cols[finite[:, d], d], weight * fastest[finite[:, d]]))
 
 
 def fractional_request_time(fixed: list[PhaseCosts], repeated: list[PhaseCosts],
@@ -316,19 +328,26 @@ def fractional_request_time(fixed: list[PhaseCosts], repeated: list[PhaseCosts],
     load: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(d)]
     z = lp.new(len(repeated))
     lp.row(z, np.ones(len(z)), 1.0, 1.0)
+    work: dict[str, list[tuple[int, np.ndarray, np.ndarray]]] = {}
     for i, m in enumerate([*fixed, *repeated]):
         share = [] if i < len(fixed) else [(int(z[i - len(fixed)]), -1.0)]
         u = dict(zip(m.split, lp.new(len(m.split)).tolist(), strict=True))
         extra = [([(u[k], 1.0)] if k in u else []) + share for k in range(m.whole.shape[0])]
-        _place(lp, m.whole, m.weight / scale, load, extra, 0.0 if share else 1.0)
+        mine = work.setdefault(m.phase, [])
+        _place(lp, m.whole, m.weight / scale, load, extra, 0.0 if share else 1.0, mine)
         for k, parts in m.split.items():
-            _place(lp, parts, m.weight / scale, load, [[(u[k], -1.0)]] * parts.shape[0], 0.0)
+            _place(lp, parts, m.weight / scale, load, [[(u[k], -1.0)]] * parts.shape[0], 0.0, mine)
     for dd in range(d):
         lp.row(np.concatenate([c for c, _ in load[dd]] + [[t_col]]),
                np.concatenate([v for _, v in load[dd]] + [[-counts[dd]]]), -highspy.kHighsInf, 0.0)
     value = _run(lp, t_col)
     loads = np.array([sum(float(np.dot(value[c], v)) for c, v in load[dd]) for dd in range(d)])
-    return FractionalSolution(float(value[t_col]) * scale, loads * scale, value[z])
+    per_phase = {}
+    for phase, entries in work.items():
+        per_phase[phase] = np.zeros(d)
+        for dd, c, v in entries:
+            per_phase[phase][dd] += float(np.dot(value[c], v)) * scale
+    return FractionalSolution(float(value[t_col]) * scale, loads * scale, value[z], per_phase)
 
 
 def _run(lp: _Columns, t_col: int) -> np.ndarray:
