@@ -22,6 +22,7 @@ from tessera.plan.bound import (
 from tessera.plan.config import AdmissionConfig
 from tessera.plan.context import PlanContext
 from tessera.plan.planner import compare
+from tessera.plan.policies import homogeneous, prefill_decode
 from tessera.workload import parse_workload
 
 PAIR = "A100:1,L40S:1"
@@ -79,6 +80,11 @@ def test_no_policy_beats_the_bound(tiny_models, case):
     else:
         assert bound.batch == ctx.admission.max_num_seqs and bound.batch_limited_by == "max_num_seqs"
         assert bound.candidates == (32, 64, 128, 256)  # down to B / 8; the plans run 64 rows in M = 1..8
+        # engines that admit as many sequences as they may (B; the replicas' shares of it) stay under it too
+        admitted = compare(ctx.for_batch(bound.batch))
+        assert max(p.throughput for p in admitted if p.feasible) > max(p.throughput for p in feasible)
+        for p in admitted:
+            assert max(p.throughput, p.extra.get("steady_state_throughput", 0.0)) <= bound.throughput * (1 + 1e-9)
 
 
 def test_lp_is_exact_on_a_hand_computed_instance():
@@ -125,6 +131,12 @@ def test_memory_shrinks_the_batch_where_it_binds():
     small, big = upper_bound(ctx), upper_bound(roomier)
     assert small.batch == batch and small.batch_limited_by == "memory" and big.batch > small.batch
     assert big.throughput > small.throughput  # per-token decode cost falls with the batch
+    # a plan at the most sequences memory could hold (fit or not) stays under the bound: its engine's rows
+    # are at most B, and its kernels run whole on one type
+    at_most = ctx.for_batch(batch)
+    for plan in (homogeneous(at_most, "throughput", "L4"), homogeneous(at_most, "throughput", "A10"),
+                 prefill_decode(at_most, "throughput")):
+        assert 0 < plan.extra["steady_state_throughput"] <= small.throughput * (1 + 1e-9)
 
 
 def test_candidates_and_headroom():
