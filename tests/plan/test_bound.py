@@ -54,6 +54,8 @@ CASES = {  # family -> (workload, fixed batch, extra context options)
     "vlm": ("fixed:in=160,out=16,requests=16", 8, {"image": "112x112"}),  # a small image fits the tiny context
     "diffusion": ("images:steps=2,resolution=64,requests=4", 2, {}),
     "llm-admitted": ("fixed:in=64,out=16,requests=512", None, {}),  # no fixed batch: B = max_num_seqs
+    # a runtime plan: one copy of the model, the runtime's M and cache context (prefill's state rows follow M)
+    "llm-runtime": (TEXT, 8, {"micro_batches": 2, "cache_ctx": 128, "single_replica": True}),
 }
 
 
@@ -91,14 +93,14 @@ def test_lp_is_exact_on_a_hand_computed_instance():
     # kernel a: 2 s on A, 6 s on B; kernel b: 6 s on A, 1 s on B. All of b on B, a fraction x of a on B
     # too: A carries 2 (1 - x), B carries 1 + 6 x; balanced at x = 1/8, T = 1.75 s (b on A costs more)
     costs = PhaseCosts("decode", 1, 1.0, np.array([[2.0, 6.0], [6.0, 1.0]]))
-    lp = fractional_request_time([], [costs], [1, 1])
+    lp = fractional_request_time([[costs]], [1, 1])
     assert lp.request_time_s == pytest.approx(1.75, rel=1e-9)
     assert lp.loads == pytest.approx([1.75, 1.75], rel=1e-9)
     # two GPUs of B halve its per-GPU load: A carries 2 (1 - x), each B (1 + 6 x) / 2: x = 3/10, T = 1.4 s
-    assert fractional_request_time([], [costs], [1, 2]).request_time_s == pytest.approx(1.4, rel=1e-9)
+    assert fractional_request_time([[costs]], [1, 2]).request_time_s == pytest.approx(1.4, rel=1e-9)
     # a kernel that cannot run on B goes to A whole; a phase run once per request adds to the same loads
     only_a = PhaseCosts("prefill", 1, 1.0, np.array([[0.5, np.inf]]))
-    lp = fractional_request_time([only_a], [costs], [1, 1])
+    lp = fractional_request_time([[only_a], [costs]], [1, 1])
     # A: 0.5 + 2 (1 - x), B: 1 + 6 x -> x = 1.5 / 8, T = 1 + 9 / 8
     assert lp.request_time_s == pytest.approx(1 + 6 * 1.5 / 8, rel=1e-9)
     # work in fastest-type seconds: a's 2 s split 13/16 : 3/16, b's 1 s on B, the prefill's 0.5 s on A
@@ -106,15 +108,15 @@ def test_lp_is_exact_on_a_hand_computed_instance():
     assert lp.work["prefill"] == pytest.approx([0.5, 0.0], abs=1e-12)
     # the repeated phase at two batches: per request the cheaper one is taken
     cheap = PhaseCosts("decode", 2, 0.5, np.array([[2.0, 6.0], [6.0, 1.0]]))
-    lp = fractional_request_time([], [costs, cheap], [1, 1])
-    assert lp.request_time_s == pytest.approx(1.75 / 2, rel=1e-9) and lp.batch_share == pytest.approx([0, 1])
+    lp = fractional_request_time([[costs, cheap]], [1, 1])
+    assert lp.request_time_s == pytest.approx(1.75 / 2, rel=1e-9) and lp.mode_share[0] == pytest.approx([0, 1])
     # an expert kernel: 4 s whole on either type, or split into two parts of 1 s on A (3 s on B) and a free
     # combine. Whole alone balances at 2 s; split at a share u with its parts on A and the rest whole on
     # B: A carries 2 u, B 4 (1 - u), u = 2/3, T = 4/3 s (the LP dual: prices 2/3 on A, 1/3 on B)
     whole = PhaseCosts("decode", 1, 1.0, np.array([[4.0, 4.0]]))
-    assert fractional_request_time([], [whole], [1, 1]).request_time_s == pytest.approx(2.0, rel=1e-9)
+    assert fractional_request_time([[whole]], [1, 1]).request_time_s == pytest.approx(2.0, rel=1e-9)
     split = PhaseCosts("decode", 1, 1.0, np.array([[4.0, 4.0]]), {0: np.array([[1.0, 3.0], [1.0, 3.0], [0.0, 0.0]])})
-    assert fractional_request_time([], [split], [1, 1]).request_time_s == pytest.approx(4 / 3, rel=1e-9)
+    assert fractional_request_time([[split]], [1, 1]).request_time_s == pytest.approx(4 / 3, rel=1e-9)
 
 
 def test_memory_shrinks_the_batch_where_it_binds():

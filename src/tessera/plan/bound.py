@@ -180,11 +180,11 @@ class PhaseCosts:
 @dataclass(frozen=True)
 class FractionalSolution:
     """The LP's optimum: the busiest type's per-GPU seconds per request, each type's GPU-seconds per
-    request, and the share of requests at each of the repeated phase's batches."""
+    request, and the share of requests in each mode of each phase."""
 
     request_time_s: float
     loads: np.ndarray
-    batch_share: np.ndarray
+    mode_share: list[np.ndarray]  # per phase, the share of requests run in each of its modes
     work: dict[str, np.ndarray]  # phase -> [D] its work per request on each type (fastest-type seconds)
 
 
@@ -253,13 +253,19 @@ def upper_bound(ctx: PlanContext) -> ThroughputBound:
     batch, why, memory = admissible_batch(ctx)
     candidates = candidate_batches(batch)
     cache = ctx.__dict__.setdefault("_bound_times", {})
-    fixed = [_mode(ctx, ph, singles, counts, names, cache) for ph in _fixed_phases(ctx)]
-    repeated = []
-    for b in candidates:
-        child = ctx.for_batch(b)
-        repeated.append(_mode(child, child.main_phase, singles, counts, names, cache))
-    lp = fractional_request_time(fixed, repeated, counts)
-    t_req, loads, shares = lp.request_time_s, lp.loads, lp.batch_share
+    children = [ctx.for_batch(b) for b in candidates]
+    repeated = [_mode(c, c.main_phase, singles, counts, names, cache) for c in children]
+    phases = []
+    for i, ph in enumerate(ctx.phases):
+        if ph is ctx.main_phase:
+            phases.append(repeated)
+            continue
+        # the other phases as the children have them (their state rows follow the batch under a fixed M)
+        variants = list(dict.fromkeys([ph, *(c.phases[i] for c in children)]))
+        phases.append([_mode(ctx, v, singles, counts, names, cache) for v in variants])
+    lp = fractional_request_time(phases, counts)
+    t_req, loads = lp.request_time_s, lp.loads
+    shares = lp.mode_share[ctx.phases.index(ctx.main_phase)]
     top = max(loads / np.array(counts))
     bound = ThroughputBound(
         throughput=ctx.outputs_per_request / t_req if t_req > 0 else float("inf"), unit=ctx.unit,
@@ -312,31 +318,32 @@ def _place(lp: _Columns, cost: np.ndarray, weight: float, load: list[list[tuple[
         work.append((d, cols[finite[:, d], d], weight * fastest[finite[:, d]]))
 
 
-def fractional_request_time(fixed: list[PhaseCosts], repeated: list[PhaseCosts],
-                            gpus: np.ndarray | list[int]) -> FractionalSolution:
+def fractional_request_time(phases: list[list[PhaseCosts]], gpus: np.ndarray | list[int]) -> FractionalSolution:
     """The LP over kernel fractions: the least per-GPU seconds per request of the busiest device type
-    (``gpus[t]`` GPUs of type t), the ``fixed`` phases run once each, the repeated phase at one of the
-    ``repeated`` batches per request (in any mix).
-    Every kernel of a mode is placed in full at the mode's share (1 for the fixed phases): whole on the
-    types, or (split expert GEMMs) at a split share u with each part and the combine placed at u."""
+    (``gpus[t]`` GPUs of type t). Each entry of ``phases`` is one phase's modes (the same phase at several
+    batches or state sizes); a request runs each phase in any mix of its modes. Every kernel of a mode is
+    placed in full at the mode's share: whole on the types, or (split expert GEMMs) at a split share u
+    with each part and the combine placed at u."""
     counts = np.asarray(gpus, dtype=float)
     d = len(counts)
-    scale = sum(m.weight * float(np.where(np.isfinite(m.whole), m.whole, np.inf).min(axis=1).sum())
-                for m in [*fixed, repeated[-1]]) or 1.0
+    scale = sum(modes[-1].weight * float(np.where(np.isfinite(modes[-1].whole), modes[-1].whole, np.inf).min(axis=1).sum())
+                for modes in phases) or 1.0
     lp = _Columns()
     t_col = int(lp.new(1)[0])
     load: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(d)]
-    z = lp.new(len(repeated))
-    lp.row(z, np.ones(len(z)), 1.0, 1.0)
     work: dict[str, list[tuple[int, np.ndarray, np.ndarray]]] = {}
-    for i, m in enumerate([*fixed, *repeated]):
-        share = [] if i < len(fixed) else [(int(z[i - len(fixed)]), -1.0)]
-        u = dict(zip(m.split, lp.new(len(m.split)).tolist(), strict=True))
-        extra = [([(u[k], 1.0)] if k in u else []) + share for k in range(m.whole.shape[0])]
-        mine = work.setdefault(m.phase, [])
-        _place(lp, m.whole, m.weight / scale, load, extra, 0.0 if share else 1.0, mine)
-        for k, parts in m.split.items():
-            _place(lp, parts, m.weight / scale, load, [[(u[k], -1.0)]] * parts.shape[0], 0.0, mine)
+    shares = []
+    for modes in phases:
+        z = lp.new(len(modes))
+        lp.row(z, np.ones(len(z)), 1.0, 1.0)
+        shares.append(z)
+        for zc, m in zip(z.tolist(), modes, strict=True):
+            u = dict(zip(m.split, lp.new(len(m.split)).tolist(), strict=True))
+            extra = [([(u[k], 1.0)] if k in u else []) + [(zc, -1.0)] for k in range(m.whole.shape[0])]
+            mine = work.setdefault(m.phase, [])
+            _place(lp, m.whole, m.weight / scale, load, extra, 0.0, mine)
+            for k, parts in m.split.items():
+                _place(lp, parts, m.weight / scale, load, [[(u[k], -1.0)]] * parts.shape[0], 0.0, mine)
     for dd in range(d):
         lp.row(np.concatenate([c for c, _ in load[dd]] + [[t_col]]),
                np.concatenate([v for _, v in load[dd]] + [[-counts[dd]]]), -highspy.kHighsInf, 0.0)
@@ -347,7 +354,7 @@ def fractional_request_time(fixed: list[PhaseCosts], repeated: list[PhaseCosts],
         per_phase[phase] = np.zeros(d)
         for dd, c, v in entries:
             per_phase[phase][dd] += float(np.dot(value[c], v)) * scale
-    return FractionalSolution(float(value[t_col]) * scale, loads * scale, value[z], per_phase)
+    return FractionalSolution(float(value[t_col]) * scale, loads * scale, [value[z] for z in shares], per_phase)
 
 
 def _run(lp: _Columns, t_col: int) -> np.ndarray:
