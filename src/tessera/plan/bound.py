@@ -9,9 +9,10 @@ Batch. A plan's per-request work depends on the rows a step serves: a decode ste
 costs ``t(b)`` and serves ``b`` requests one token each, so a kernel costs ``repeats x t(b) / b`` per
 request, which falls as ``b`` grows (weights are read once per step). The bound lets the repeated
 phase run at any candidate batch (``B // M`` for every micro-batch count M the planner uses: 1, 2, 4,
-8), choosing per request which (an LP mode per batch), where ``B`` is the most rows one engine can
-admit (per engine, not over the cluster: a step's cost depends on its own rows only, and more engines
-only add GPUs, which the LP counts already):
+8), choosing per request which (an LP mode per batch; the other phases likewise take any of the shapes
+the candidates' contexts give them, e.g. prefill's state rows under a fixed M), where ``B`` is the most
+rows one engine can admit (per engine, not over the cluster: a step's cost depends on its own rows
+only, and more engines only add GPUs, which the LP counts already):
 
 * at most ``AdmissionConfig.max_num_seqs`` (an engine admits no more), or the fixed ``--max-batch``
   when one is given (a plan then runs at most that many rows per engine);
