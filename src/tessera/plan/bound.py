@@ -38,7 +38,9 @@ most ``max_num_seqs`` and the workload's requests), so its per-row cost is at le
 candidate batch provided the per-row cost does not fall below the candidates' anywhere under ``B``:
 it falls with the rows in the cost model (weights and launch floors amortised over more rows) except
 for wave quantisation of compute-bound kernels, which the candidates sample but do not exhaust; this
-is the one assumption, checked on every test case (tests/plan/test_bound.py). So every plan's
+is the one assumption, checked on every test case (tests/plan/test_bound.py) and at every batch
+1..B by ``tools/bound_batches.py`` (none beats the candidates for llama-3.1-8b, gpt-oss-20b and
+mamba-codestral-7b at 128-192 sequences). So every plan's
 GPU-seconds per request on each type are at least the LP's for its own fractions, the LP's optimum
 ``T`` is at most ``T_plan / replicas``, and no plan's throughput exceeds the bound. The bound is
 reached only by a placement with no transfer, dependency or memory-placement cost at all, so a plan
@@ -202,10 +204,12 @@ def _target_times(ctx: PlanContext, phase: PhaseSpec, graph, features, routing, 
     return cache[ckey]
 
 
-def _mode(ctx: PlanContext, phase: PhaseSpec, singles: list[Target], counts: list[int], names: list[str],
-          cache: dict) -> PhaseCosts:
-    """A phase's kernel costs on one GPU of each type (a group's GPU-seconds where they are smaller), and
-    the parts of its expert GEMMs when Tessera may split them."""
+def phase_costs(ctx: PlanContext, phase: PhaseSpec, singles: list[Target], counts: list[int], names: list[str],
+                cache: dict | None = None) -> PhaseCosts:
+    """A phase's kernel costs on one GPU of each type of :func:`single_targets` (a group's GPU-seconds where
+    they are smaller), and the parts of its expert GEMMs when Tessera may split them (``cache``: kernel
+    times by graph and target, shared between calls)."""
+    cache = {} if cache is None else cache
     graph = ctx.graph(phase)
     key = (phase, 1, tuple(t.members for t in singles), 1)
     sp = ctx._problems.get(key)
@@ -255,7 +259,7 @@ def upper_bound(ctx: PlanContext) -> ThroughputBound:
     candidates = candidate_batches(batch)
     cache = ctx.__dict__.setdefault("_bound_times", {})
     children = [ctx.for_batch(b) for b in candidates]
-    repeated = [_mode(c, c.main_phase, singles, counts, names, cache) for c in children]
+    repeated = [phase_costs(c, c.main_phase, singles, counts, names, cache) for c in children]
     phases = []
     for i, ph in enumerate(ctx.phases):
         if ph is ctx.main_phase:
@@ -263,7 +267,7 @@ def upper_bound(ctx: PlanContext) -> ThroughputBound:
             continue
         # the other phases as the children have them (their state rows follow the batch under a fixed M)
         variants = list(dict.fromkeys([ph, *(c.phases[i] for c in children)]))
-        phases.append([_mode(ctx, v, singles, counts, names, cache) for v in variants])
+        phases.append([phase_costs(ctx, v, singles, counts, names, cache) for v in variants])
     lp = fractional_request_time(phases, counts)
     t_req, loads = lp.request_time_s, lp.loads
     shares = lp.mode_share[ctx.phases.index(ctx.main_phase)]
