@@ -56,14 +56,17 @@ CASES = {  # family -> (workload, fixed batch, extra context options)
     "llm-admitted": ("fixed:in=64,out=16,requests=512", None, {}),  # no fixed batch: B = max_num_seqs
     # a runtime plan: one copy of the model, the runtime's M and cache context (prefill's state rows follow M)
     "llm-runtime": (TEXT, 8, {"micro_batches": 2, "cache_ctx": 128, "single_replica": True}),
+    "llm-groups": (TEXT, 8, {"cluster": "A100:2,L40S:1"}),  # replicas and a two-GPU group of A100s
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_no_policy_beats_the_bound(tiny_models, case):
     workload, batch, extra = CASES[case]
+    extra = dict(extra)
+    cluster = extra.pop("cluster", PAIR)
     model = tiny_models[case.split("-")[0]]
-    ctx = PlanContext(model, parse_cluster(PAIR), parse_workload(workload), workload, batch, **extra)
+    ctx = PlanContext(model, parse_cluster(cluster), parse_workload(workload), workload, batch, **extra)
     plans = compare(ctx)
     bound = upper_bound(ctx)
     feasible = [p for p in plans if p.applicable and p.feasible]
