@@ -4,8 +4,9 @@ Usage: python benchmarks/plan_quality.py [--models m1,m2] [--pairs A100+L40S,...
 
 For each GPU pair (one of each type, 200 Gb/s InfiniBand between them) and each evaluation model,
 solves every policy (`tessera plan --compare`) for the default workload of its family and prints
-throughput, throughput per cost (published relative prices), Tessera's margin over the best baseline
-and the shape of Tessera's plan. With --write the tables replace the generated part of
+throughput, throughput per cost (published relative prices), the case's upper bound on throughput
+(`tessera.plan.bound`: fractional kernels, free transfers), Tessera's margin over the best baseline, its
+share of the headroom between that baseline and the bound, and the shape of Tessera's plan. With --write the tables replace the generated part of
 docs/plan_quality.md. Every figure is a prediction of the cost model, not a measurement.
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from tessera.capture.models import resolve_model
 from tessera.cost.features import block_of
 from tessera.hardware.cluster import parse_cluster
+from tessera.plan.bound import headroom_share
 from tessera.plan.context import PlanContext
 from tessera.plan.planner import compare
 from tessera.workload import parse_workload
@@ -74,9 +76,10 @@ def run(models, pairs) -> list[str]:
         lines += [f"### {a} + {b}", "",
                   f"One {a} and one {b}, 200 Gb/s InfiniBand; throughput in tokens/s (images/s for sd3.5-medium), "
                   "and per relative price-hour in brackets. n/a: the policy does not apply; 'no fit': it does not "
-                  "fit the devices' memory.", "",
-                  "| model | " + " | ".join(COLUMNS) + " | Tessera vs best baseline | Tessera's plan |",
-                  "|---" * (len(COLUMNS) + 3) + "|"]
+                  "fit the devices' memory. bound: the best throughput any placement could reach with kernels split "
+                  "fractionally and transfers free; headroom: Tessera's share of (bound - best baseline).", "",
+                  "| model | " + " | ".join(COLUMNS) + " | bound | Tessera vs best baseline | headroom | Tessera's plan |",
+                  "|---" * (len(COLUMNS) + 5) + "|"]
         for model in models:
             t0 = time.perf_counter()
             text = WORKLOADS.get(resolve_model(model).family, DEFAULT_WORKLOAD)
@@ -97,13 +100,19 @@ def run(models, pairs) -> list[str]:
                 cells.append("<br>".join(texts))
             tess = plans[-1]
             base = [p for p in plans[:-1] if p.applicable and p.feasible]
+            headroom = "-"
             if base and tess.feasible:
                 top = max(base, key=lambda p: p.throughput)
                 margin = tess.throughput / top.throughput - 1
                 verdict = f"ties {top.policy}" if margin < 5e-4 else f"+{margin:.1%} over {top.policy}"
+                if tess.bound is not None:
+                    share = headroom_share(tess.throughput, top.throughput, tess.bound)
+                    headroom = "none" if share is None else f"{share:.0%}"
             else:
                 verdict = "-"
-            lines.append(f"| {model} | " + " | ".join(cells) + f" | {verdict} | {shape_of(ctx, tess)} |")
+            bound = _num(tess.bound) if tess.bound is not None else "-"
+            lines.append(f"| {model} | " + " | ".join(cells) + f" | {bound} | {verdict} | {headroom} | "
+                         f"{shape_of(ctx, tess)} |")
             print(f"{pair} {model}: {verdict} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         lines.append("")
     return lines

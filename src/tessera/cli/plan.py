@@ -86,9 +86,14 @@ def plan(
     except TesseraError as e:
         _fail(e)
     if as_json:
-        print(json.dumps([p.summary() for p in plans], indent=2))
+        rows = [p.summary() for p in plans]
+        share = _headroom(plans)
+        if share is not None:
+            rows[-1]["headroom_share"] = share[0]
+        print(json.dumps(rows, indent=2))
         return
     _table(plans, ctx, objective)
+    _bound_line(plans, ctx)
     if chosen.applicable and chosen.feasible and chosen.extra.get(f"{other}_plan"):
         o = chosen.extra[f"{other}_plan"]
         _out.print(f"{other} step plans in the same residency (batch {o['batch']}): {o['throughput']:,.0f} "
@@ -105,7 +110,7 @@ def _table(plans, ctx, objective: str) -> None:
     cost = "$/h" if ctx.price_scenario == "cloud_usd" else "cost/h"
     table = Table(title=f"{ctx.model} on {ctx.cluster.describe()}\n{ctx.workload_text}, objective {objective} "
                         "(predicted)")
-    for col in ("policy", unit, cost, "per cost", f"latency/{per}", "TTFT" if per == "token" else "", "M"):
+    for col in ("policy", unit, "bound", cost, "per cost", f"latency/{per}", "TTFT" if per == "token" else "", "M"):
         if col:
             table.add_column(col, justify="left" if col == "policy" else "right")
     best = max((p.throughput for p in plans if p.applicable and p.feasible), default=0.0)
@@ -113,12 +118,13 @@ def _table(plans, ctx, objective: str) -> None:
     for p in plans:
         name = p.policy + (f" ({p.device})" if p.device else "")
         if not p.applicable:
-            table.add_row(name, "n/a", *[""] * (4 if per == "token" else 3), "")
+            table.add_row(name, "n/a", *[""] * (5 if per == "token" else 4), "")
             notes.append(f"{name}: not applicable: {p.reason}")
             continue
         decode = next((s for s in p.steps if s.objective == objective and s.repeats > 1), None)
         shown = "[bold]" if p.throughput == best and p.feasible else ""
-        row = [name, f"{shown}{p.throughput:,.1f}" if p.feasible else "no fit", f"{p.cost_per_hour:.2f}",
+        row = [name, f"{shown}{p.throughput:,.1f}" if p.feasible else "no fit",
+               f"{p.bound:,.1f}" if p.bound is not None else "-", f"{p.cost_per_hour:.2f}",
                f"{p.throughput_per_cost:,.1f}" if p.feasible else "-", _ms(p.latency_s)]
         if per == "token":
             row.append(_ms(p.ttft_s))
@@ -141,6 +147,36 @@ def _table(plans, ctx, objective: str) -> None:
         margin = tess.throughput / top.throughput - 1
         verdict = (f"ties {top.policy}" if margin < 1e-6 else f"+{margin:.1%} over {top.policy}")
         _out.print(f"tessera vs the best baseline: {verdict} (bottleneck: {tess.bottleneck})")
+
+
+def _headroom(plans) -> tuple[float | None, float] | None:
+    """(Tessera's share of the headroom between the best baseline and the bound, or None for no headroom;
+    the best baseline's throughput) when the plans are a comparison ending with a feasible Tessera plan."""
+    from tessera.plan.bound import headroom_share
+
+    tess = plans[-1]
+    base = [p.throughput for p in plans[:-1] if p.applicable and p.feasible]
+    if len(plans) < 2 or tess.policy != "tessera" or not tess.feasible or not base or tess.bound is None:
+        return None
+    return headroom_share(tess.throughput, max(base), tess.bound), max(base)
+
+
+def _bound_line(plans, ctx) -> None:
+    """The Tessera plan's upper bound, what limits it, and the share of the headroom Tessera takes."""
+    from tessera.plan.bound import upper_bound
+
+    tess = plans[-1]
+    if tess.policy != "tessera" or tess.bound is None or not tess.feasible:
+        return
+    b = upper_bound(ctx)
+    work = ", ".join(f"{t} {v:.0%}" for t, v in b.work_share.items())
+    line = (f"upper bound: {tess.bound:,.1f} {tess.unit} (fractional kernels, free transfers; {b.limited_by}; "
+            f"work {work}); tessera reaches {tess.throughput / tess.bound:.0%} of it")
+    share = _headroom(plans)
+    if share is not None:
+        line += ("; no headroom over the best baseline" if share[0] is None else
+                 f"; {share[0]:.0%} of the headroom over the best baseline ({share[1]:,.1f} {tess.unit})")
+    _out.print(line)
 
 
 def register(app: typer.Typer) -> None:

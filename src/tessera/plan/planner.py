@@ -1,7 +1,9 @@
-"""Plan a deployment: one policy, or every policy side by side (``tessera plan --compare``)."""
+"""Plan a deployment: one policy, or every policy side by side (``tessera plan --compare``); every plan
+carries the case's upper bound on throughput (:mod:`tessera.plan.bound`)."""
 
 from __future__ import annotations
 
+from tessera.plan.bound import upper_bound
 from tessera.plan.config import POLICIES, check_policy
 from tessera.plan.context import PlanContext, PlanningError
 from tessera.plan.deployment import DeploymentPlan
@@ -51,9 +53,22 @@ def baselines(ctx: PlanContext, objective: str = "throughput") -> list[Deploymen
     return out
 
 
+def with_bound(ctx: PlanContext, plans: list[DeploymentPlan]) -> list[DeploymentPlan]:
+    """The plans with the case's upper bound on throughput set (computed once per context)."""
+    bound = upper_bound(ctx).throughput
+    for p in plans:
+        p.bound = bound
+    return plans
+
+
 def plan_policy(ctx: PlanContext, policy: str = "tessera", objective: str = "throughput",
                 device: str | None = None) -> DeploymentPlan:
-    """The best plan of one policy (Tessera also weighs the baselines, which its search space contains)."""
+    """The best plan of one policy (Tessera also weighs the baselines, which its search space contains),
+    with the case's upper bound on throughput."""
+    return with_bound(ctx, [_plan_policy(ctx, policy, objective, device)])[0]
+
+
+def _plan_policy(ctx: PlanContext, policy: str, objective: str, device: str | None) -> DeploymentPlan:
     check_policy(policy)
     if policy == "homogeneous":
         return homogeneous(ctx, objective, device)
@@ -79,14 +94,16 @@ def plan_policy(ctx: PlanContext, policy: str = "tessera", objective: str = "thr
 
 
 def compare(ctx: PlanContext, objective: str = "throughput") -> list[DeploymentPlan]:
-    """Every policy's best plan: the baselines, then Tessera (which weighs them all)."""
+    """Every policy's best plan: the baselines, then Tessera (which weighs them all); each with the case's
+    upper bound on throughput."""
     base = baselines(ctx, objective)
     if len(ctx.cluster.placement_types()) == 1:
-        best = plan_policy(ctx, "tessera", objective)
+        best = _plan_policy(ctx, "tessera", objective, None)
     else:
         ctx.say("tessera")
         best = tessera(ctx, objective, base)
-    return [*base, best]
+    ctx.say("upper bound")
+    return with_bound(ctx, [*base, best])
 
 
-__all__ = ["POLICIES", "baselines", "compare", "plan_policy"]
+__all__ = ["POLICIES", "baselines", "compare", "plan_policy", "with_bound"]
