@@ -84,12 +84,9 @@ def test_no_policy_beats_the_bound(tiny_models, case):
         assert bound.batch == batch and bound.batch_limited_by == "fixed batch"
     else:
         assert bound.batch == ctx.admission.max_num_seqs and bound.batch_limited_by == "max_num_seqs"
-        assert bound.candidates == (32, 64, 128, 256)  # down to B / 8; the plans run 64 rows in M = 1..8
-        # engines that admit as many sequences as they may (B; the replicas' shares of it) stay under it too
-        admitted = compare(ctx.for_batch(bound.batch))
-        assert max(p.throughput for p in admitted if p.feasible) > max(p.throughput for p in feasible)
-        for p in admitted:
-            assert max(p.throughput, p.extra.get("steady_state_throughput", 0.0)) <= bound.throughput * (1 + 1e-9)
+        assert bound.candidates == (32, 64, 128, 256)  # down to B / 8: the repeated phase in M = 1..8
+        # the engines admit from memory: here every one holds as many sequences as it may
+        assert ctx.admits and all(p.admission.max_seqs == bound.batch for p in feasible if p.admission)
 
 
 def test_lp_is_exact_on_a_hand_computed_instance():
