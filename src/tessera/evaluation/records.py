@@ -62,6 +62,7 @@ class Case:
     runs: list[PolicyRun]
     seconds: float = 0.0
     expensive: str | None = None  # the pair's pricier device type
+    bound: float | None = None  # the planner's upper bound on throughput (tessera.plan.bound)
 
     def run(self, policy: str, device: str | None = None) -> PolicyRun | None:
         return next((r for r in self.runs if r.policy == policy and (device is None or r.device == device)), None)

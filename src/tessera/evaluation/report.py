@@ -169,7 +169,33 @@ def _offline_md(result: SuiteResult) -> list[str]:
              "cell is the simulated figure (steps at the engine's own shapes), the planner's steady-state "
              "estimate in brackets.", "",
              "![Offline throughput relative to the expensive GPU alone](offline_throughput.png)", ""]
-    return lines + _pair_tables(result, lambda r: f"{_num(r.simulated)} ({_num(r.planned)})", with_unit=True)
+    return (lines + _pair_tables(result, lambda r: f"{_num(r.simulated)} ({_num(r.planned)})", with_unit=True)
+            + _bound_md(result))
+
+
+def _bound_md(result: SuiteResult) -> list[str]:
+    """The planner's upper bound per offline case, the best baseline and Tessera against it (planned)."""
+    cases = [c for c in result.offline if c.bound]
+    if not cases:
+        return []
+    lines = ["### Upper bound and Tessera's share of the headroom (planned)", "",
+             "The bound is the best throughput any placement could reach with every kernel's work split "
+             "fractionally over the GPU types and free transfers, memory and admission counted "
+             "(`tessera.plan.bound`). Headroom share: (Tessera - best baseline) / (bound - best baseline), "
+             "on the planner's steady-state figures.", "",
+             "| pair | model | best baseline | tessera | bound | bound over best baseline | headroom share |",
+             "|---|---|---|---|---|---|---|"]
+    for c in cases:
+        base = [r for r in c.runs if r.policy != "tessera" and r.ok and r.planned]
+        tess = c.tessera
+        if not base or tess is None or not tess.ok or not tess.planned:
+            continue
+        top = max(base, key=lambda r: r.planned)
+        over = c.bound / top.planned - 1
+        share = ("no headroom" if over < 0.01 else f"{(tess.planned - top.planned) / (c.bound - top.planned):.0%}")
+        lines.append(f"| {c.cluster} | {c.model} | {top.label} {_num(top.planned)} | {_num(tess.planned)} | "
+                     f"{_num(c.bound)} | {over:+.1%} | {share} |")
+    return lines + [""]
 
 
 def _pair_tables(result: SuiteResult, cell, with_unit: bool) -> list[str]:

@@ -182,7 +182,8 @@ class Suite:
             local = p.policy in ("homogeneous", "request-dist")
             runs.append(again if local and again is not None and again.planned == p.throughput
                         else self.simulate_plan(ctx, p))
-        case = Case(model, label, ctx.cluster.describe(), text, ctx.unit, runs, time.perf_counter() - t0)
+        case = Case(model, label, ctx.cluster.describe(), text, ctx.unit, runs, time.perf_counter() - t0,
+                    bound=next((p.bound for p in plans if p.bound is not None), None))
         best = case.best()
         self.say(f"{model} on {ctx.cluster.describe()}: {len(runs)} plans simulated in {case.seconds:.0f} s"
                  + (f"; best simulated {best.label} {best.simulated:,.4g} {case.unit}" if best else ""))
