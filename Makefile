@@ -11,8 +11,7 @@ demo: $(STAMP)
 	$(BIN)/tessera trace llama-3.1-8b --phase decode --batch 64 --ctx 2048
 	$(BIN)/tessera estimate llama-3.1-8b --device A100 --phase decode --batch 64 --ctx 2048
 	$(BIN)/tessera census llama-3.1-8b --devices A100,L40S --phase decode --batch 64 --ctx 2048 --no-plot
-	$(BIN)/tessera plan llama-3.1-8b --cluster A100:1,L40S:1 --workload fixed:in=1024,out=1024,requests=192 \
-		--compare -o out/demo/plan.json
+	$(BIN)/tessera plan llama-3.1-8b --cluster A100:1,L40S:1 --compare -o out/demo/plan.json
 	$(BIN)/tessera run smollm2-135m --cluster cpu:2 --placement-for A100:1,L40S:1 --policy tessera \
 		--prompt "The capital of France is" --max-tokens 16 --check
 
