@@ -149,7 +149,7 @@ def admissible_batch(ctx: PlanContext) -> tuple[int, str, dict[str, float]]:
     memory = {"capacity": capacity, "weights": sum(weights.values()), "activations": activations,
               "state_per_sequence": state, "free": free}
     limits: list[tuple[int, str]] = []
-    if ctx.max_batch is not None:
+    if ctx.max_batch is not None or not ctx.admits:  # a fixed batch (diffusion's images, runtime plans)
         limits.append((ctx.batch, "fixed batch"))
     else:
         limits.append((ctx.admission.max_num_seqs, "max_num_seqs"))
