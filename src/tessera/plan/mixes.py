@@ -65,31 +65,36 @@ def route_of(plan: DeploymentPlan, objective: str = "throughput") -> Route | Non
     return Route(plan, occupancy, links, 1.0 / plan.request_time_s)
 
 
+def device_memory(routes: list[Route], name: str) -> tuple[float, float]:
+    """(bytes needed, capacity) of cluster target ``name`` under the routes holding it: their weights (once
+    where one route's weights there are a subset of another's), each route's state, the largest reserve."""
+    parts = []
+    for r in routes:
+        if name not in r.plan.targets:
+            continue
+        i = r.plan.targets.index(name)
+        mem = r.plan.extra.get("memory_parts")
+        if mem is None:  # a plan from before memory parts were recorded: nothing is known to be shared
+            parts.append((set(), 0.0, r.plan.memory_bytes[i], 0.0, r.plan.memory_capacity[i]))
+            continue
+        held = {item for item, where in r.plan.residency.items() if i in where and not item.startswith("cache")}
+        parts.append((held, mem["weights"][i], r.plan.memory_bytes[i] - mem["weights"][i] - mem["reserve"],
+                      mem["reserve"], r.plan.memory_capacity[i]))
+    parts.sort(key=lambda p: -p[1])
+    weights, items = parts[0][1], set(parts[0][0])
+    for held, w, _, _, _ in parts[1:]:
+        if not held <= items:
+            weights += w
+            items |= held
+    return weights + sum(p[2] for p in parts) + max(p[3] for p in parts), min(p[4] for p in parts)
+
+
 def fit_together(routes: list[Route]) -> bool:
     """Whether the routes' weights (once per device where one route's are a subset of another's) and their
     state fit every device they share."""
     for name in {t for r in routes for t in r.plan.targets}:
-        parts = []
-        for r in routes:
-            if name not in r.plan.targets:
-                continue
-            i = r.plan.targets.index(name)
-            mem = r.plan.extra.get("memory_parts")
-            if mem is None:
-                return False
-            held = {item for item, where in r.plan.residency.items() if i in where and not item.startswith("cache")}
-            parts.append((held, mem["weights"][i], r.plan.memory_bytes[i] - mem["weights"][i] - mem["reserve"],
-                          mem["reserve"], r.plan.memory_capacity[i]))
-        if len(parts) < 2:
-            continue
-        parts.sort(key=lambda p: -p[1])
-        weights, items = parts[0][1], set(parts[0][0])
-        for held, w, _, _, _ in parts[1:]:
-            if not held <= items:
-                weights += w
-                items |= held
-        need = weights + sum(p[2] for p in parts) + max(p[3] for p in parts)
-        if need > min(p[4] for p in parts) * (1 + 1e-9):
+        need, capacity = device_memory(routes, name)
+        if need > capacity * (1 + 1e-9):
             return False
     return True
 
@@ -139,13 +144,7 @@ def _mix_plan(routes: list[Route], rates: np.ndarray, outputs: float, prices: di
     first = routes[0].plan
     held = {t for r in routes for t in r.plan.targets}
     names = [t for t in prices if t in held] + sorted(held - set(prices))  # the cluster's order
-    memory, capacity = [], []
-    for name in names:
-        holders = [r.plan for r in routes if name in r.plan.targets]
-        used = [p.memory_bytes[p.targets.index(name)] for p in holders]
-        weights = [p.extra["memory_parts"]["weights"][p.targets.index(name)] for p in holders]
-        memory.append(sum(used) - sum(weights) + max(weights) if len(holders) > 1 else used[0])
-        capacity.append(holders[0].memory_capacity[holders[0].targets.index(name)])
+    memory, capacity = (list(x) for x in zip(*(device_memory(routes, name) for name in names), strict=True))
     total = float(rates.sum())
     shares = rates / total
     plan = DeploymentPlan(

@@ -29,7 +29,7 @@ from tessera.errors import TesseraError
 from tessera.graph.layers import layer_structure
 from tessera.plan.admission import MemoryShape, admit, round_batch
 from tessera.plan.config import PolicyError
-from tessera.plan.context import PhaseSpec, PlanContext, PlanningError
+from tessera.plan.context import Chosen, PhaseSpec, PlanContext, PlanningError
 from tessera.plan.deployment import DeploymentPlan
 from tessera.plan.fold import layer_groups, merge
 from tessera.plan.milp import SolverError, solve_placement
@@ -48,7 +48,6 @@ MAX_PIPELINE_CANDIDATES = 200_000
 EXPERT_PARTS = 2  # expert groups per grouped GEMM when Tessera splits an MoE layer's experts
 OTHER_PHASE_TIME_SHARE = 0.3  # of a step solve's time limit for the phases a request needs once (prefill)
 
-Chosen = list[tuple[PhaseSpec, int, tuple[int, ...], dict]]
 
 
 def applicability(ctx: PlanContext, policy: str) -> str | None:
@@ -115,7 +114,8 @@ def homogeneous(ctx: PlanContext, objective: str, device: str | None = None) -> 
         if not rctx.micro_batch_options(rctx.main_phase):  # a fixed M that does not split this replica's batch
             continue
         targets = cluster_targets(ctx.cluster, r, [rid])
-        plans.append(rctx.assemble_admitted("homogeneous", targets, r, _everywhere(rctx, targets, 0), objective, device=rid))
+        plans.append(rctx.assemble_admitted("homogeneous", targets, r, _everywhere(rctx, targets, 0), objective,
+                                            device=rid))
     if not plans:
         return DeploymentPlan(model=ctx.model, cluster=ctx.cluster.describe(), workload=ctx.workload_text,
                               policy="homogeneous", applicable=True, feasible=False, device=rid, unit=ctx.unit,
@@ -201,7 +201,7 @@ def prefill_decode(ctx: PlanContext, objective: str) -> DeploymentPlan:
                 k = rctx.step_problem(ph, targets, m).problem.kernels
                 chosen.append((ph, m, ((b if ph is main else a),) * k, {"method": "fixed"}))
             plans.append(rctx.assemble_admitted("prefill-decode", targets, r, chosen, objective,
-                                       reason=f"prefill on {targets[a].name}, decode on {targets[b].name}"))
+                                                reason=f"prefill on {targets[a].name}, decode on {targets[b].name}"))
     return _best(plans, objective)
 
 
@@ -344,7 +344,7 @@ def attention_ffn(ctx: PlanContext, objective: str) -> DeploymentPlan:
                 except (SolverError, PlanningError):
                     continue
                 plans += [rctx.assemble_admitted("attention-ffn", targets, r, chosen, objective,
-                                        reason=f"attention on {targets[att].name}, FFN on {targets[ffn].name}")
+                                                 reason=f"attention on {targets[att].name}, FFN on {targets[ffn].name}")
                           for chosen in results]
     if not plans:
         raise PlanningError("no attention/FFN split satisfies the memory and co-location constraints")
@@ -440,7 +440,7 @@ def layer_pipeline(outer: PlanContext, objective: str) -> DeploymentPlan:
                            {"method": "exhaustive split search", "stages": [targets[o].name for o in order],
                             "split_after_layer": [layers[c - 1] for c in cuts]}) for ph in ctx.phases]
                 plan = ctx.assemble_admitted("layer-pipeline", targets, r, chosen, objective,
-                                    reason="layers " + _ranges(layers, cuts, [targets[o].name for o in order]))
+                                             reason="layers " + _ranges(layers, cuts, [targets[o].name for o in order]))
                 best = _better(best, plan, objective)
     if best is None:
         raise PlanningError("no layer split fits the devices' memory")
