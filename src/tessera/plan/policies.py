@@ -540,9 +540,11 @@ def _promising_m(ctx: PlanContext, targets, objective: str, keep: int = 2) -> li
 
 def _route_mix(ctx: PlanContext, objective: str, plans: list[DeploymentPlan]) -> DeploymentPlan | None:
     """The best mix of two single-engine plans sharing the cluster (`tessera.plan.mixes`), for the
-    steady-state throughput of deployments (not runtime plans, not finite workloads arriving at once)."""
-    if objective != "throughput" or ctx.single_replica or any("makespan_s" in p.extra for p in plans):
-        return None
+    steady-state throughput of engines admitting from memory (not a fixed batch, not runtime plans, not
+    finite workloads arriving at once)."""
+    if (objective != "throughput" or not ctx.admits or ctx.single_replica
+            or any("makespan_s" in p.extra for p in plans)):
+        return None  # a fixed batch is the deployment's: two engines would hold twice as many sequences
     prices = {t.name: t.price(ctx.price_scenario) for t in cluster_targets(ctx.cluster, 1)}
     candidates = [p for p in plans if p.applicable and p.feasible and "tie_with" not in p.extra]
     return best_mix(candidates, ctx.outputs_per_request, prices, objective, ctx.price_scenario)
