@@ -246,6 +246,12 @@ def _route(engines: list[Engine], req: Request) -> Engine:
     return min(engines, key=lambda e: ((e.scheduler.pending() + 1) / max(e.speed, 1e-12), e.name))
 
 
+def _prompts_only(engine: Engine, lane: Lane) -> bool:
+    """Whether the lane runs only single-request stages (prefill, encode): in a route mix it feeds another
+    device's batched stage, so it takes a shared device first."""
+    return not any(s.batched for s in engine.scheduler.stages if s.phase in lane.phases)
+
+
 def _duration(engine: Engine, lane: Lane, step: ScheduledStep, now: float) -> float:
     if engine.engine_shapes:  # the same phase and rows stream on even as the context grows
         t = engine.timer.interpolated(step.phase, step.rows, step.seq, step.ctx, engine.min_prompt)
@@ -275,8 +281,8 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
             _route(engines, pending[nxt]).scheduler.submit(pending[nxt])
             nxt += 1
         order = [(e, lane) for e in engines for lane in e.lanes]
-        if mixed:  # lanes that started a step least recently go first, so lanes sharing a device take turns
-            order.sort(key=lambda el: el[1].start_s)
+        if mixed:  # on a shared device prompt lanes (feeding another device's batch) go first, then the lane
+            order.sort(key=lambda el: (not _prompts_only(*el), el[1].start_s))  # that waited longest
         for e, lane in order:
             if lane.step is not None:
                 continue
