@@ -232,6 +232,7 @@ class GoalRow:
 
     model: str
     solve_s: float
+    cpu_s: float  # process CPU seconds of the 5 s solve (on a shared machine, less than its wall time)
     value: float
     gap: float
     long_value: float
@@ -241,7 +242,7 @@ class GoalRow:
     @property
     def above_long(self) -> float:
         """How far the 5 s value lies above the long run's best, relative to the latter."""
-        return (self.value - self.long_value) / self.long_value
+        return max(self.value - self.long_value, 0.0) / self.long_value  # the long run starts from the 5 s placement
 
     @property
     def misses(self) -> list[str]:
@@ -279,7 +280,7 @@ def goal_section(args) -> list[GoalRow]:
     print(f"\n## goal: {GOAL_KERNELS} unfolded kernels on {GOAL_DEVICES} types (throughput, M = {GOAL_M}) in <= "
           f"{GOAL_S:g} s, within {100 * GOAL_WITHIN:g}% of a {args.goal_reference_limit:g} s HiGHS run from the same "
           f"start, proven gap <= {100 * GOAL_PROVEN:g}%")
-    print(f"{'model':20s} {'solve s':>7s} {'5 s value us':>12s} {'proven gap':>10s} {'long best us':>12s} "
+    print(f"{'model':20s} {'solve s':>7s} {'cpu s':>5s} {'5 s value us':>12s} {'proven gap':>10s} {'long best us':>12s} "
           f"{'long bound':>10s} {'long s':>6s} {'above long':>10s}  goal")
     rows = []
     for name in args.models:
@@ -287,13 +288,13 @@ def goal_section(args) -> list[GoalRow]:
         if p.kernels < GOAL_KERNELS:
             raise SystemExit(f"{name}'s {GRAPH} trace has only {p.kernels} kernels, fewer than the goal's "
                              f"{GOAL_KERNELS}: pick another model with --models")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         r = solve_placement(p, "throughput", gap=GOAL_GAP, time_limit_s=GOAL_S)
-        solve_s = time.perf_counter() - t0
+        solve_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
         value, bound, seconds = long_run(p, r.assignment, args.goal_reference_limit)
-        row = GoalRow(name, solve_s, r.value, r.gap, value, max(bound, r.bound), seconds)
+        row = GoalRow(name, solve_s, cpu_s, r.value, r.gap, value, max(bound, r.bound), seconds)
         rows.append(row)
-        print(f"{name:20s} {solve_s:7.2f} {r.value * 1e6:12.1f} {100 * r.gap:9.2f}% {value * 1e6:12.1f} "
+        print(f"{name:20s} {solve_s:7.2f} {cpu_s:5.2f} {r.value * 1e6:12.1f} {100 * r.gap:9.2f}% {value * 1e6:12.1f} "
               f"{row.long_bound * 1e6:10.1f} {seconds:6.0f} {100 * row.above_long:9.2f}%  "
               f"{'met' if not row.misses else 'missed: ' + '; '.join(row.misses)}", flush=True)
     missed = [r for r in rows if r.misses]

@@ -37,6 +37,11 @@ _SEGMENT_CHANGE = 0.1  # L1 change of the LP split that starts a new rounding se
 _EPS = 1e-12
 _ALL_SINGLES = 300  # up to this many kernels, every kernel is tried alone
 _WORSE = 1.1  # a move may raise the objective by this factor if it lowers the soft maximum
+_NEAR = max(WINDOW_LENGTHS)  # kernels around an applied move whose windows the next pass tries again
+_SWAP_POOL = 200  # windows per device pair and direction evaluated as single moves for swaps
+_SWAP_CHECKS = 6  # screened swaps checked exactly
+_KICK, _KICK_GROWTH = 3, 5  # random window moves per perturbation, one more per this many without progress
+_RESTART_MIN = 0.1  # share of the heuristics' budget, at least, left for a restart
 _HOT = 7.0  # terms below ref x (1 - _HOT / sharpness) weigh under exp(-7) ~ 0.1% in the soft maximum
 
 
@@ -586,32 +591,40 @@ class Evaluator:
 
 
 def _candidates(ev: Evaluator) -> list[tuple[int, int]]:
-    """Windows to try: windows ending or starting at a device change, and in small problems every single
-    kernel (in large ones, moving one kernel away from its neighbours rarely pays two transfers)."""
+    """Windows to try: windows ending or starting at a device change, whole runs of kernels on one device
+    and pairs of them, and in small problems every single kernel (in large ones, moving one kernel away
+    from its neighbours rarely pays two transfers)."""
     k = ev.k
     cands = {(i, i + 1) for i in ev.singles}
+    bounds = [0]
     for b in range(1, k):
         if ev.a[b] != ev.a[b - 1]:
+            bounds.append(b)
             for length in WINDOW_LENGTHS:
                 if b + length <= k:
                     cands.add((b, b + length))
                 if b - length >= 0:
                     cands.add((b - length, b))
+    bounds.append(k)
+    for span in (1, 2):  # whole segments and pairs of them, of any length (together groups can span many kernels)
+        cands.update((bounds[n], bounds[n + span]) for n in range(len(bounds) - span))
     return sorted(cands)
 
 
 def _descend(ev: Evaluator, sharpness: float, deadline: float, rng: random.Random,
              best: tuple[float, list[int]], target: float = 0.0) -> tuple[float, list[int]]:
     """Apply improving window moves until none is left, the deadline, or an objective <= ``target``;
-    return the best seen."""
+    return the best seen. After a pass, the next one tries only windows near the moves it applied; the
+    descent ends when a pass over every window finds none."""
+    near: list[int] | None = None  # prefix counts of kernels near the last pass's moves (None: every window)
     while time.perf_counter() < deadline and best[0] > target:
         ref = max(ev.value(), _EPS)
         cands = _candidates(ev)
         rng.shuffle(cands)
         hot = ev.hot_counts(ref, sharpness)
-        moved = 0
+        moved, applied = [0] * (ev.k + 1), 0
         for i, j in cands:
-            if hot[j] == hot[i]:
+            if hot[j] == hot[i] or (near is not None and near[j] == near[i]):
                 continue
             choice = None
             for e in range(ev.nd):
@@ -621,7 +634,9 @@ def _descend(ev: Evaluator, sharpness: float, deadline: float, rng: random.Rando
                     choice = mv
             if choice is not None:
                 ev.apply(choice)
-                moved += 1
+                applied += 1
+                moved[max(0, i - _NEAR)] += 1
+                moved[min(ev.k, j + _NEAR)] -= 1
                 v = ev.value()
                 if v < best[0]:
                     best = (v, list(ev.a))
@@ -629,8 +644,98 @@ def _descend(ev: Evaluator, sharpness: float, deadline: float, rng: random.Rando
                         break
             if time.perf_counter() >= deadline:
                 break
-        if not moved:
+        if not applied:
+            if near is None:
+                break
+            near = None
+            continue
+        near = [0] * (ev.k + 1)  # kernel u is near a move when the running sum of ``moved`` is positive
+        depth = 0
+        for u in range(ev.k):
+            depth += moved[u]
+            near[u + 1] = near[u] + (depth > 0)
+    return best
+
+
+def _exchange(ev: Evaluator, sharpness: float, best: tuple[float, list[int]]) -> tuple[tuple[float, list[int]], bool]:
+    """Try swaps of two uniform windows between two devices (one d -> e, one e -> d) that lower the soft
+    maximum where no single window move does (busy times balanced at the maximum). For each direction the
+    windows relatively fastest on the other device are evaluated exactly as single moves; pairs are ranked
+    by their exact joint busy-time change plus each move's own link and critical-path change, and the best
+    few checked exactly; returns (best seen, whether one applied)."""
+    if not ev.throughput or ev.nd < 2:
+        return best, False
+    ref = max(ev.value(), _EPS)
+    scale, m = sharpness / ref, ev.m
+    a = ev.a
+    seg = [0] * ev.k
+    for u in range(1, ev.k):
+        seg[u] = seg[u - 1] + (a[u] != a[u - 1])
+    wins = np.array([(i, j) for i, j in _candidates(ev) if seg[i] == seg[j - 1]], dtype=np.int64).reshape(-1, 2)
+    if len(wins) == 0:
+        return best, False
+    every = np.array(ev.all_prefix)
+    work = every[wins[:, 1]] - every[wins[:, 0]]  # [N, D] each window's time on each device
+    on = np.array(a, dtype=np.int64)[wins[:, 0]]
+    busy = np.array(ev.busy)
+
+    def soft(b):
+        return np.exp(np.minimum((m * b - ref) * scale, 50.0))
+
+    def singles(d: int, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """Windows on d (the pool relatively fastest on e) whose move to e is allowed, and each such move's
+        potential change outside the busy terms."""
+        pool = np.flatnonzero(on == d)
+        pool = pool[np.argsort(work[pool, e] / np.maximum(work[pool, d], _EPS))[:_SWAP_POOL]]
+        keep, other = [], []
+        for w in pool:
+            mv = ev.window_move(int(wins[w, 0]), int(wins[w, 1]), e, ref, sharpness)
+            if mv is None or mv.value > ref * _WORSE * 2:
+                continue
+            moved = np.array(mv.busy)
+            keep.append(w)
+            other.append(mv.potential - float((soft(busy + moved) - soft(busy)).sum()))
+        return np.array(keep, dtype=np.int64), np.array(other)
+
+    screened = []
+    for d in range(ev.nd):
+        for e in range(d + 1, ev.nd):
+            first, first_other = singles(d, e)
+            second, second_other = singles(e, d)
+            if not len(first) or not len(second):
+                continue
+            new_d = busy[d] - work[first, d][:, None] + work[second, d][None, :]
+            new_e = busy[e] + work[first, e][:, None] - work[second, e][None, :]
+            change = (soft(new_d) + soft(new_e) - soft(busy[d]) - soft(busy[e])
+                      + first_other[:, None] + second_other[None, :])
+            for f, g in zip(*np.unravel_index(np.argsort(change, axis=None)[:_SWAP_CHECKS], change.shape), strict=True):
+                if change[f, g] < 0:
+                    screened.append((float(change[f, g]), int(first[f]), int(second[g]), d, e))
+    screened.sort()
+    for _, f, g, d, e in screened[:_SWAP_CHECKS]:
+        (i1, j1), (i2, j2) = wins[f], wins[g]
+        one = ev.window_move(int(i1), int(j1), e, ref, sharpness)
+        if one is None:
+            continue
+        ev.apply(one)
+        two = ev.window_move(int(i2), int(j2), d, ref, sharpness)
+        if two is not None and one.potential + two.potential < -1e-12 and two.value <= ref * _WORSE:
+            ev.apply(two)
+            v = ev.value()
+            return ((v, list(ev.a)) if v < best[0] else best), True
+        ev.apply(ev.window_move(int(i1), int(j1), d, ref, sharpness))  # undo: the window was all on d
+    return best, False
+
+
+def _swap_and_descend(ev: Evaluator, sharpness: float, deadline: float, rng: random.Random,
+                      best: tuple[float, list[int]], target: float) -> tuple[float, list[int]]:
+    """From a local optimum of window moves: swaps (:func:`_exchange`), each followed by a descent, while
+    one applies."""
+    while time.perf_counter() < deadline and best[0] > target:
+        best, swapped = _exchange(ev, sharpness, best)
+        if not swapped:
             break
+        best = _descend(ev, sharpness, deadline, rng, best, target)
     return best
 
 
@@ -649,7 +754,7 @@ def improve(problem: PlacementProblem, objective: str, a, deadline: float, seed:
     while time.perf_counter() < deadline and stale < patience and best[0] > target:  # perturb the best, then descend
         ev.load(best[1])
         bounds = [b for b in range(1, ev.k) if ev.a[b] != ev.a[b - 1]] or [0]
-        for _ in range(3):
+        for _ in range(_KICK + stale // _KICK_GROWTH):  # stronger kicks the longer none helps
             b = rng.choice(bounds)
             length = rng.choice(WINDOW_LENGTHS)
             i, j = (b, min(ev.k, b + length)) if rng.random() < 0.5 else (max(0, b - length), b)
@@ -698,4 +803,12 @@ def best_start(problem: PlacementProblem, objective: str, budget_s: float, split
         v, found = improve(problem, objective, a[s], time.perf_counter() + share * left, seed=n, target=target)
         if v < best[0]:
             best = (v, found)
+    restart = len(seeds)
+    while best[0] > target and time.perf_counter() - t0 < budget_s * (1 - _RESTART_MIN):
+        # the search stalled before the budget: again from the best with other kicks, while that helps
+        v, found = improve(problem, objective, best[1], t0 + budget_s, seed=restart, target=target)
+        restart += 1
+        if v >= best[0] * (1 - 1e-9):
+            break
+        best = (v, found)
     return best
