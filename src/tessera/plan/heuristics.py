@@ -13,7 +13,11 @@ Three sources of starting assignments, each repaired to respect allowed devices,
 :func:`improve` then runs a local search over *window moves* (a run of consecutive kernels moved to one
 device) whose effect on every term of the objective is computed exactly and incrementally by
 :class:`Evaluator`; moves are ranked by a soft maximum of the terms (the busiest device, link and the
-critical path) whose sharpness grows, then random perturbations are tried until the deadline.
+critical path) whose sharpness grows, then random perturbations (more moves the longer none helps) are
+tried until the deadline. Windows that touch no term near the maximum, and moves whose exact busy-time
+change already outweighs the most the other terms could drop, are skipped without evaluating their paths;
+after a full pass, passes try only windows near the moves just applied. :func:`best_start` restarts the
+search from the best placement while restarts help and budget is left.
 """
 
 from __future__ import annotations
@@ -38,8 +42,6 @@ _EPS = 1e-12
 _ALL_SINGLES = 300  # up to this many kernels, every kernel is tried alone
 _WORSE = 1.1  # a move may raise the objective by this factor if it lowers the soft maximum
 _NEAR = max(WINDOW_LENGTHS)  # kernels around an applied move whose windows the next pass tries again
-_SWAP_POOL = 200  # windows per device pair and direction evaluated as single moves for swaps
-_SWAP_CHECKS = 6  # screened swaps checked exactly
 _KICK, _KICK_GROWTH = 3, 5  # random window moves per perturbation, one more per this many without progress
 _RESTART_MIN = 0.1  # share of the heuristics' budget, at least, left for a restart
 _HOT = 7.0  # terms below ref x (1 - _HOT / sharpness) weigh under exp(-7) ~ 0.1% in the soft maximum
@@ -654,88 +656,6 @@ def _descend(ev: Evaluator, sharpness: float, deadline: float, rng: random.Rando
         for u in range(ev.k):
             depth += moved[u]
             near[u + 1] = near[u] + (depth > 0)
-    return best
-
-
-def _exchange(ev: Evaluator, sharpness: float, best: tuple[float, list[int]]) -> tuple[tuple[float, list[int]], bool]:
-    """Try swaps of two uniform windows between two devices (one d -> e, one e -> d) that lower the soft
-    maximum where no single window move does (busy times balanced at the maximum). For each direction the
-    windows relatively fastest on the other device are evaluated exactly as single moves; pairs are ranked
-    by their exact joint busy-time change plus each move's own link and critical-path change, and the best
-    few checked exactly; returns (best seen, whether one applied)."""
-    if not ev.throughput or ev.nd < 2:
-        return best, False
-    ref = max(ev.value(), _EPS)
-    scale, m = sharpness / ref, ev.m
-    a = ev.a
-    seg = [0] * ev.k
-    for u in range(1, ev.k):
-        seg[u] = seg[u - 1] + (a[u] != a[u - 1])
-    wins = np.array([(i, j) for i, j in _candidates(ev) if seg[i] == seg[j - 1]], dtype=np.int64).reshape(-1, 2)
-    if len(wins) == 0:
-        return best, False
-    every = np.array(ev.all_prefix)
-    work = every[wins[:, 1]] - every[wins[:, 0]]  # [N, D] each window's time on each device
-    on = np.array(a, dtype=np.int64)[wins[:, 0]]
-    busy = np.array(ev.busy)
-
-    def soft(b):
-        return np.exp(np.minimum((m * b - ref) * scale, 50.0))
-
-    def singles(d: int, e: int) -> tuple[np.ndarray, np.ndarray]:
-        """Windows on d (the pool relatively fastest on e) whose move to e is allowed, and each such move's
-        potential change outside the busy terms."""
-        pool = np.flatnonzero(on == d)
-        pool = pool[np.argsort(work[pool, e] / np.maximum(work[pool, d], _EPS))[:_SWAP_POOL]]
-        keep, other = [], []
-        for w in pool:
-            mv = ev.window_move(int(wins[w, 0]), int(wins[w, 1]), e, ref, sharpness)
-            if mv is None or mv.value > ref * _WORSE * 2:
-                continue
-            moved = np.array(mv.busy)
-            keep.append(w)
-            other.append(mv.potential - float((soft(busy + moved) - soft(busy)).sum()))
-        return np.array(keep, dtype=np.int64), np.array(other)
-
-    screened = []
-    for d in range(ev.nd):
-        for e in range(d + 1, ev.nd):
-            first, first_other = singles(d, e)
-            second, second_other = singles(e, d)
-            if not len(first) or not len(second):
-                continue
-            new_d = busy[d] - work[first, d][:, None] + work[second, d][None, :]
-            new_e = busy[e] + work[first, e][:, None] - work[second, e][None, :]
-            change = (soft(new_d) + soft(new_e) - soft(busy[d]) - soft(busy[e])
-                      + first_other[:, None] + second_other[None, :])
-            for f, g in zip(*np.unravel_index(np.argsort(change, axis=None)[:_SWAP_CHECKS], change.shape), strict=True):
-                if change[f, g] < 0:
-                    screened.append((float(change[f, g]), int(first[f]), int(second[g]), d, e))
-    screened.sort()
-    for _, f, g, d, e in screened[:_SWAP_CHECKS]:
-        (i1, j1), (i2, j2) = wins[f], wins[g]
-        one = ev.window_move(int(i1), int(j1), e, ref, sharpness)
-        if one is None:
-            continue
-        ev.apply(one)
-        two = ev.window_move(int(i2), int(j2), d, ref, sharpness)
-        if two is not None and one.potential + two.potential < -1e-12 and two.value <= ref * _WORSE:
-            ev.apply(two)
-            v = ev.value()
-            return ((v, list(ev.a)) if v < best[0] else best), True
-        ev.apply(ev.window_move(int(i1), int(j1), d, ref, sharpness))  # undo: the window was all on d
-    return best, False
-
-
-def _swap_and_descend(ev: Evaluator, sharpness: float, deadline: float, rng: random.Random,
-                      best: tuple[float, list[int]], target: float) -> tuple[float, list[int]]:
-    """From a local optimum of window moves: swaps (:func:`_exchange`), each followed by a descent, while
-    one applies."""
-    while time.perf_counter() < deadline and best[0] > target:
-        best, swapped = _exchange(ev, sharpness, best)
-        if not swapped:
-            break
-        best = _descend(ev, sharpness, deadline, rng, best, target)
     return best
 
 
