@@ -250,6 +250,45 @@ def test_evaluator_window_moves_are_exact():
     assert checked > 200
 
 
+def test_incremental_paths_and_pruning_match_a_fresh_evaluation():
+    """After every applied move the incrementally updated paths equal a fresh evaluator's, and pruning
+    (prune=True) never drops a move that lowers the soft maximum."""
+    from tessera.plan.heuristics import Evaluator, repair
+
+    rng = np.random.default_rng(7)
+    kept = pruned = 0
+    for seed in range(4):
+        p = random_problem(60 + seed, 16, 3, constraints=seed % 2 == 1, extras=seed >= 2, micro_batches=4)
+        if p.memory is not None:
+            p = replace(p, memory=replace(p.memory, capacity=p.memory.capacity * 1.6))
+        a = repair(p, rng.integers(0, 3, size=16))
+        while not memory_fits(p, a[None])[0]:
+            a = repair(p, rng.integers(0, 3, size=16))
+        ev = Evaluator(p, "throughput", a)
+        for _ in range(40):
+            ref = ev.value()
+            for i in range(16):
+                for j in range(i + 1, min(i + 6, 16) + 1):
+                    for e in range(3):
+                        full = ev.window_move(i, j, e, ref, 80.0)
+                        if full is not None and full.potential < -1e-9:
+                            assert ev.window_move(i, j, e, ref, 80.0, prune=True) is not None
+                            kept += 1
+                        elif full is not None:
+                            pruned += ev.window_move(i, j, e, ref, 80.0, prune=True) is None
+            i = int(rng.integers(0, 16))
+            move = ev.window_move(i, int(rng.integers(i + 1, 17)), int(rng.integers(0, 3)), ref, 80.0)
+            if move is None:
+                continue
+            ev.apply(move)
+            fresh = Evaluator(p, "throughput", ev.a)
+            for name in ("fin", "tail", "before", "after"):
+                np.testing.assert_allclose(getattr(ev, name), getattr(fresh, name), rtol=1e-12, atol=1e-15)
+            assert ev.critical == fresh.critical
+            np.testing.assert_allclose(ev.own_prefix, fresh.own_prefix, rtol=1e-12, atol=1e-15)
+    assert kept > 100 and pruned > 100
+
+
 def test_pipelines_cut_a_chain_into_balanced_stages():
     from tessera.plan.heuristics import pipeline_assignments
 

@@ -13,7 +13,11 @@ Three sources of starting assignments, each repaired to respect allowed devices,
 :func:`improve` then runs a local search over *window moves* (a run of consecutive kernels moved to one
 device) whose effect on every term of the objective is computed exactly and incrementally by
 :class:`Evaluator`; moves are ranked by a soft maximum of the terms (the busiest device, link and the
-critical path) whose sharpness grows, then random perturbations are tried until the deadline.
+critical path) whose sharpness grows, then random perturbations (more moves the longer none helps) are
+tried until the deadline. Windows that touch no term near the maximum, and moves whose exact busy-time
+change already outweighs the most the other terms could drop, are skipped without evaluating their paths;
+after a full pass, passes try only windows near the moves just applied. :func:`best_start` restarts the
+search from the best placement while restarts help and budget is left.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ _SEGMENT_CHANGE = 0.1  # L1 change of the LP split that starts a new rounding se
 _EPS = 1e-12
 _ALL_SINGLES = 300  # up to this many kernels, every kernel is tried alone
 _WORSE = 1.1  # a move may raise the objective by this factor if it lowers the soft maximum
+_NEAR = max(WINDOW_LENGTHS)  # kernels around an applied move whose windows the next pass tries again
+_KICK, _KICK_GROWTH = 3, 5  # random window moves per perturbation, one more per this many without progress
+_RESTART_MIN = 0.1  # share of the heuristics' budget, at least, left for a restart
+_HOT = 7.0  # terms below ref x (1 - _HOT / sharpness) weigh under exp(-7) ~ 0.1% in the soft maximum
 
 
 def _groups(problem: PlacementProblem) -> list[list[int]]:
@@ -68,14 +76,19 @@ def allowed_matrix(problem: PlacementProblem) -> np.ndarray:
     return ok
 
 
-def repair(problem: PlacementProblem, a: np.ndarray) -> np.ndarray | None:
-    """``a`` moved onto allowed devices with each together group on one device (None if impossible)."""
-    ok = allowed_matrix(problem)
+def repair(problem: PlacementProblem, a: np.ndarray, ok: np.ndarray | None = None,
+           groups: list[list[int]] | None = None) -> np.ndarray | None:
+    """``a`` moved onto allowed devices with each together group on one device (None if impossible);
+    ``ok`` and ``groups``: the problem's :func:`allowed_matrix` and together groups, if already known."""
+    if groups is None:
+        groups = _groups(problem)
+    if ok is None:
+        ok = allowed_matrix(problem)
     if not ok.any(axis=1).all():
         return None
     a = np.array(a, dtype=np.int64)
     t = np.where(ok, problem.times, np.inf)
-    for g in _groups(problem):
+    for g in groups:
         votes = np.bincount(a[g], weights=None, minlength=len(problem.devices)).astype(float)
         votes[~ok[g[0]]] = -1
         a[g] = int(np.argmax(votes - 1e-9 * t[g].sum(axis=0)))  # the majority device, the fastest on ties
@@ -109,7 +122,7 @@ def _device_orders(nd: int, times: np.ndarray) -> list[tuple[int, ...]]:
 def pipeline_assignments(problem: PlacementProblem) -> list[np.ndarray]:
     """Contiguous pipelines: for each device order, stages cut where the busiest stage is smallest."""
     k, nd = problem.times.shape
-    ok = allowed_matrix(problem)
+    ok, groups = allowed_matrix(problem), _groups(problem)
     finite = np.where(ok, problem.times, 0.0)
     big = 10.0 * float(finite.sum()) + 1.0  # a stage never takes a kernel it cannot run (unless it must)
     prefix = np.vstack([np.zeros(nd), np.cumsum(np.where(ok, problem.times, big), axis=0)])
@@ -135,7 +148,7 @@ def pipeline_assignments(problem: PlacementProblem) -> list[np.ndarray]:
         a = np.empty(k, dtype=np.int64)
         for d, (lo_, hi_) in zip(order, itertools.pairwise(bounds), strict=False):
             a[lo_:min(hi_, k)] = d
-        fixed = repair(problem, a)
+        fixed = repair(problem, a, ok, groups)
         if fixed is not None:
             out.append(fixed)
     return out
@@ -206,7 +219,9 @@ class Evaluator:
         self.throughput = objective == "throughput"
         ok = allowed_matrix(problem)
         self.ok = ok.tolist()
-        self.t = np.where(np.isfinite(problem.times), problem.times, 0.0).tolist()
+        self.times = np.where(np.isfinite(problem.times), problem.times, 0.0)
+        self.t = self.times.tolist()
+        self.all_prefix = np.vstack([np.zeros(nd), np.cumsum(self.times, axis=0)]).tolist()  # [K + 1][D]
         self.src = [s for s, _, _ in problem.edges]
         self.dst = [d for _, d, _ in problem.edges]
         self.cost = [problem.transfer_matrix(b, c).tolist()
@@ -268,12 +283,27 @@ class Evaluator:
                     if c == 0:
                         self.use[d] += self.item_bytes[w]
                     self.count[d][w] = c + 1
+        self._own_prefix()
         self._paths()
 
-    def _paths(self) -> None:
+    def _own_prefix(self) -> None:
+        """own_prefix[u][d]: the time of kernels before u that run on d (window busy changes in O(D))."""
+        own = np.zeros_like(self.times)
+        rows = np.arange(self.k)
+        a = np.array(self.a, dtype=np.int64)
+        own[rows, a] = self.times[rows, a]
+        self.own_prefix = np.vstack([np.zeros(self.nd), np.cumsum(own, axis=0)]).tolist()
+
+    def _paths(self, lo: int = 0, hi: int | None = None) -> None:
+        """Finish times, tails, the critical path and its prefix/suffix maxima; after a move of kernels[lo:hi]
+        only finish times from ``lo`` on and tails before ``hi`` can change (edges run forward)."""
         k, a, t, src, dst, cost = self.k, self.a, self.t, self.src, self.dst, self.cost
-        fin = [0.0] * k
-        for j in range(k):
+        hi = k if hi is None else hi
+        if lo == 0:
+            fin, tail, hi = [0.0] * k, [0.0] * k, k
+        else:
+            fin, tail = self.fin, self.tail
+        for j in range(lo, k):
             start, aj = 0.0, a[j]
             for n in self.ins[j]:
                 p = src[n]
@@ -281,8 +311,7 @@ class Evaluator:
                 if v > start:
                     start = v
             fin[j] = start + t[j][aj]
-        tail = [0.0] * k
-        for i in range(k - 1, -1, -1):
+        for i in range(hi - 1, -1, -1):
             best, ai = 0.0, a[i]
             for n in self.outs[i]:
                 q = dst[n]
@@ -291,13 +320,15 @@ class Evaluator:
                     best = v
             tail[i] = best + t[i][ai]
         self.fin, self.tail = fin, tail
-        self.cp = max(fin) if k else 0.0
-        self.before = [0.0] * (k + 1)  # longest path ending before kernel i
-        for i in range(k):
-            self.before[i + 1] = max(self.before[i], fin[i])
-        self.after = [0.0] * (k + 1)  # longest path starting at or after kernel j
-        for j in range(k - 1, -1, -1):
-            self.after[j] = max(self.after[j + 1], tail[j])
+        if lo == 0:
+            self.before = [0.0] * (k + 1)  # longest path ending before kernel i
+            self.after = [0.0] * (k + 1)  # longest path starting at or after kernel j
+        before, after = self.before, self.after
+        for i in range(lo, k):
+            before[i + 1] = before[i] if before[i] > fin[i] else fin[i]
+        for j in range(hi - 1, -1, -1):
+            after[j] = after[j + 1] if after[j + 1] > tail[j] else tail[j]
+        self.cp = before[k]
         limit = self.cp * (1 - 1e-12)
         self.critical = [fin[u] - t[u][a[u]] + tail[u] >= limit for u in range(k)]
 
@@ -346,6 +377,8 @@ class Evaluator:
                 return None
             moved |= a[u] != e
         if not moved:
+            return None
+        if prune and self.throughput and self._cannot_lower(i, j, e, ref, sharpness / ref):
             return None
         db = [0.0] * nd
         dl = [0.0] * (nd * nd)  # link load changes, d * nd + f
@@ -448,6 +481,59 @@ class Evaluator:
         links = {(d // nd, d % nd): delta for d, delta in enumerate(dl) if delta != 0.0}
         return Move(i, j, e, value, potential, db, links, dloops, memory)
 
+    def _cannot_lower(self, i: int, j: int, e: int, ref: float, scale: float) -> bool:
+        """Whether moving kernels[i:j] to e surely leaves the potential no lower: the busy terms' change
+        (exact, from prefix sums) outweighs the most the link and critical-path terms could drop."""
+        ex, m, busy = math.exp, self.m, self.busy
+        own, every = self.own_prefix, self.all_prefix
+        change = 0.0
+        for d in range(self.nd):
+            delta = own[i][d] - own[j][d]
+            if d == e:
+                delta += every[j][e] - every[i][e]
+            if delta != 0.0:
+                change += ex(min((m * (busy[d] + delta) - ref) * scale, 50.0)) - ex(min((m * busy[d] - ref) * scale, 50.0))
+        if change <= 0.0:
+            return False
+        # the paths wholly before or after the window stay (loop edges may change the constant: then none)
+        low = max(self.before[i], self.after[j]) + self.loopconst if not self.loop else 0.0
+        drop = ex(min((self.cp + self.loopconst - ref) * scale, 50.0)) - ex(min((low - ref) * scale, 50.0))
+        for row in self.link:
+            for load in row:
+                if load > 0.0:
+                    drop += ex(min((m * load - ref) * scale, 50.0))
+        return change - drop >= 1e-9
+
+    def hot_counts(self, ref: float, sharpness: float) -> list[int]:
+        """Prefix counts of *hot* kernels: those a term within ``_HOT / sharpness`` of ``ref`` depends on
+        (on a device whose busy time is such a term, on a path that long, or with a cut edge on such a
+        link). A window without one changes only terms whose share of the soft maximum is negligible."""
+        k, a, t, nd, m = self.k, self.a, self.t, self.nd, self.m
+        limit = ref * (1 - _HOT / sharpness)
+        hot = [False] * k
+        if self.cp + self.loopconst >= limit:
+            through = limit - self.loopconst
+            fin, tail = self.fin, self.tail
+            hot = [fin[u] - t[u][a[u]] + tail[u] >= through for u in range(k)]
+            for s, d, _ in self.loop:
+                hot[s] = hot[d] = True
+        if self.throughput:
+            devices = {d for d in range(nd) if m * self.busy[d] >= limit}
+            links = {(d, f) for d in range(nd) for f in range(nd) if d != f and m * self.link[d][f] >= limit}
+            if devices:
+                hot = [h or a[u] in devices for u, h in enumerate(hot)]
+            if links:
+                for s, d in zip(self.src, self.dst, strict=True):
+                    if (a[s], a[d]) in links:
+                        hot[s] = hot[d] = True
+                for s, d, _ in self.loop:
+                    if (a[s], a[d]) in links:
+                        hot[s] = hot[d] = True
+        counts = [0] * (k + 1)
+        for u in range(k):
+            counts[u + 1] = counts[u] + hot[u]
+        return counts
+
     def link_max_unchanged(self, dl: list[float]) -> float:
         """M x the busiest directed link among those ``dl`` leaves unchanged."""
         nd, best = self.nd, 0.0
@@ -502,34 +588,46 @@ class Evaluator:
         for (d, f), delta in move.links.items():
             self.link[d][f] += delta
         self.loopconst += move.loops
-        self._paths()
+        self._own_prefix()
+        self._paths(move.i, move.j)
 
 
 def _candidates(ev: Evaluator) -> list[tuple[int, int]]:
-    """Windows to try: windows ending or starting at a device change, and in small problems every single
-    kernel (in large ones, moving one kernel away from its neighbours rarely pays two transfers)."""
+    """Windows to try: windows ending or starting at a device change, whole runs of kernels on one device
+    and pairs of them, and in small problems every single kernel (in large ones, moving one kernel away
+    from its neighbours rarely pays two transfers)."""
     k = ev.k
     cands = {(i, i + 1) for i in ev.singles}
+    bounds = [0]
     for b in range(1, k):
         if ev.a[b] != ev.a[b - 1]:
+            bounds.append(b)
             for length in WINDOW_LENGTHS:
                 if b + length <= k:
                     cands.add((b, b + length))
                 if b - length >= 0:
                     cands.add((b - length, b))
+    bounds.append(k)
+    for span in (1, 2):  # whole segments and pairs of them, of any length (together groups can span many kernels)
+        cands.update((bounds[n], bounds[n + span]) for n in range(len(bounds) - span))
     return sorted(cands)
 
 
 def _descend(ev: Evaluator, sharpness: float, deadline: float, rng: random.Random,
              best: tuple[float, list[int]], target: float = 0.0) -> tuple[float, list[int]]:
     """Apply improving window moves until none is left, the deadline, or an objective <= ``target``;
-    return the best seen."""
+    return the best seen. After a pass, the next one tries only windows near the moves it applied; the
+    descent ends when a pass over every window finds none."""
+    near: list[int] | None = None  # prefix counts of kernels near the last pass's moves (None: every window)
     while time.perf_counter() < deadline and best[0] > target:
         ref = max(ev.value(), _EPS)
         cands = _candidates(ev)
         rng.shuffle(cands)
-        moved = 0
+        hot = ev.hot_counts(ref, sharpness)
+        moved, applied = [0] * (ev.k + 1), 0
         for i, j in cands:
+            if hot[j] == hot[i] or (near is not None and near[j] == near[i]):
+                continue
             choice = None
             for e in range(ev.nd):
                 mv = ev.window_move(i, j, e, ref, sharpness, prune=True)
@@ -538,7 +636,9 @@ def _descend(ev: Evaluator, sharpness: float, deadline: float, rng: random.Rando
                     choice = mv
             if choice is not None:
                 ev.apply(choice)
-                moved += 1
+                applied += 1
+                moved[max(0, i - _NEAR)] += 1
+                moved[min(ev.k, j + _NEAR)] -= 1
                 v = ev.value()
                 if v < best[0]:
                     best = (v, list(ev.a))
@@ -546,8 +646,16 @@ def _descend(ev: Evaluator, sharpness: float, deadline: float, rng: random.Rando
                         break
             if time.perf_counter() >= deadline:
                 break
-        if not moved:
-            break
+        if not applied:
+            if near is None:
+                break
+            near = None
+            continue
+        near = [0] * (ev.k + 1)  # kernel u is near a move when the running sum of ``moved`` is positive
+        depth = 0
+        for u in range(ev.k):
+            depth += moved[u]
+            near[u + 1] = near[u] + (depth > 0)
     return best
 
 
@@ -566,7 +674,7 @@ def improve(problem: PlacementProblem, objective: str, a, deadline: float, seed:
     while time.perf_counter() < deadline and stale < patience and best[0] > target:  # perturb the best, then descend
         ev.load(best[1])
         bounds = [b for b in range(1, ev.k) if ev.a[b] != ev.a[b - 1]] or [0]
-        for _ in range(3):
+        for _ in range(_KICK + stale // _KICK_GROWTH):  # stronger kicks the longer none helps
             b = rng.choice(bounds)
             length = rng.choice(WINDOW_LENGTHS)
             i, j = (b, min(ev.k, b + length)) if rng.random() < 0.5 else (max(0, b - length), b)
@@ -615,4 +723,12 @@ def best_start(problem: PlacementProblem, objective: str, budget_s: float, split
         v, found = improve(problem, objective, a[s], time.perf_counter() + share * left, seed=n, target=target)
         if v < best[0]:
             best = (v, found)
+    restart = len(seeds)
+    while best[0] > target and time.perf_counter() - t0 < budget_s * (1 - _RESTART_MIN):
+        # the search stalled before the budget: again from the best with other kicks, while that helps
+        v, found = improve(problem, objective, best[1], t0 + budget_s, seed=restart, target=target)
+        restart += 1
+        if v >= best[0] * (1 - 1e-9):
+            break
+        best = (v, found)
     return best

@@ -488,13 +488,15 @@ def simple_bound(problem: PlacementProblem, objective: str) -> float:
 
 def _balance_bound(problem: PlacementProblem, time_limit_s: float) -> float:
     """M x the busiest device when kernels may be split over devices and transfers are free (an LP of
-    only the assignment and busy rows: fast where the relaxation's is not); 0 if not solved in time."""
+    only the assignment and busy rows: fast where the relaxation's is not); 0 if not solved in time
+    (``time_limit_s`` counts building the model too)."""
+    t0 = time.perf_counter()
     m = _Model()
     x = _assignment(m, problem)
     cycle = int(m.columns(1)[0])
     _busy(m, problem, x, cycle)
     m.cost[cycle] = 1.0
-    h = _new_highs(0.0, time_limit_s)
+    h = _new_highs(0.0, time_limit_s - (time.perf_counter() - t0))
     m.to_highs(h)
     h.setOptionValue("solve_relaxation", True)
     h.run()
@@ -513,9 +515,11 @@ class _Relaxation:
 
 
 def _relaxation_lp(problem: PlacementProblem, objective: str, time_limit_s: float) -> _Relaxation:
-    """Solve the LP of :func:`_build_relaxation` (its value bounds every placement's objective from below)."""
+    """Solve the LP of :func:`_build_relaxation` (its value bounds every placement's objective from below)
+    within ``time_limit_s`` seconds, building the model included."""
+    t0 = time.perf_counter()
     model, v = _build_relaxation(problem, objective)
-    h = _new_highs(0.0, time_limit_s)
+    h = _new_highs(0.0, time_limit_s - (time.perf_counter() - t0))
     model.to_highs(h)
     h.setOptionValue("solve_relaxation", True)
     h.run()
