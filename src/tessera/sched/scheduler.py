@@ -137,11 +137,13 @@ class Buckets:
                        powers_of_two(min(2 * min_seq, max_context), max_context))
 
     @staticmethod
-    def fine(max_batch: int, max_context: int, granule: int = 16) -> Buckets:
+    def fine(max_batch: int, max_context: int, granule: int = 16, min_seq: int = 1) -> Buckets:
         """An engine's shapes, with no padding to speak of: every row count 1 .. max_batch, prompts and
-        contexts rounded up to ``granule`` tokens (a KV block), up to max_context; a decode step's context
-        is its rows' mean (paged attention)."""
-        sizes = tuple(range(granule, max_context, granule)) + (max_context,)
+        contexts rounded up to ``granule`` tokens (a KV block), from ``min_seq`` (a VLM prompt holds its
+        image's tokens) up to max_context; a decode step's context is its rows' mean (paged attention)."""
+        first = min(max(min_seq, granule), max_context)
+        sizes = (first, *range(-(-first // granule) * granule, max_context, granule), max_context)
+        sizes = tuple(sorted(set(sizes)))
         return Buckets(tuple(range(1, max_batch + 1)), sizes, sizes, paged=True)
 
     @staticmethod

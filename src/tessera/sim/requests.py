@@ -175,7 +175,7 @@ def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throug
         slots, kv = _admission(plan, name, admission, family, main.batch)
         for r in range(count):
             context = None if family == "diffusion" else max_context
-            buckets = (Buckets.fine(slots, context) if engine_shapes and context else
+            buckets = (Buckets.fine(slots, context, min_seq=min_prompt) if engine_shapes and context else
                        Buckets(tuple(range(1, slots + 1))) if engine_shapes else
                        Buckets.default(slots, context, min_prompt))
             if family == "ssm":  # an SSM's state does not grow with the context: one decode shape
