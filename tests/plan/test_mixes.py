@@ -14,7 +14,7 @@ from tessera.plan.planner import compare
 from tessera.sim.requests import simulate
 from tessera.workload import parse_workload
 
-WORKLOAD = "offline:prompts=azure-conv,out=64,requests=120"
+WORKLOAD = "offline:prompts=azure-conv,out=256,requests=1000"  # enough requests to fill both engines
 
 
 def _plan(targets, memory, weights, residency, capacity) -> DeploymentPlan:
@@ -32,6 +32,13 @@ def test_the_lp_fills_the_shared_device_by_hand():
     # a busy link caps the mix too: 0.5 s of the link per prefill-decode request
     pd.links[("L", "A")] = 0.5
     assert best_rates([pd, alone]) == pytest.approx([2.0, (1 - 0.2) / 0.6])
+    # 100 requests must fill both engines: L alone admits 60, so it takes at least 60% of the requests;
+    # 0.1 rate_pd + 0.6 rate_l <= 1 with rate_l = 1.5 rate_pd: rate_pd = 1 / 1.0, rate_l = 1.5
+    pd.links[("L", "A")] = 0.01
+    pd.batch, alone.batch = 10, 60
+    assert best_rates([pd, alone], requests=100) == pytest.approx([1.0, 1.5])
+    alone.batch = 95  # 10 + 95 > 100: no split fills both
+    assert best_rates([pd, alone], requests=100).sum() == 0
 
 
 def test_routes_share_weights_once_and_must_fit_their_state():
@@ -62,10 +69,11 @@ def test_tessera_mixes_routes_where_that_beats_every_baseline(smollm2_mix):
     routes = tess.extra.get("routes")
     assert routes and len(routes) == 2, tess.reason
     best = max(p.throughput for p in plans[:-1] if p.feasible)
-    assert tess.throughput > best * 1.02
+    assert tess.throughput > best * 1.01
     rates = np.array([r["rate"] for r in routes])
     assert tess.throughput == pytest.approx(ctx.outputs_per_request * rates.sum())
     assert sum(r["share"] for r in routes) == pytest.approx(1.0)
+    assert all(r["share"] * 1000 >= r["admission"]["max_seqs"] * (1 - 1e-6) for r in routes)  # engines filled
     # no device is busier than all the time: each route occupies its devices for its phases' cycles
     load: dict[str, float] = {}
     for r, rate in zip(routes, rates, strict=True):
@@ -92,7 +100,7 @@ def test_the_simulator_runs_a_mix_with_its_routes_taking_turns(smollm2_mix):
         if s.objective == "throughput" and shared[0] in {r["targets"][t] for t in s.assignment}:
             on_shared.setdefault(r["policy"] + (f" ({r['device']})" if r["device"] else ""), set()).add(s.phase)
     result = simulate(ctx, tess, engine_shapes=True)
-    assert result.completed == 120 and result.rejected == 0
+    assert result.completed == 1000 and result.rejected == 0
     busy = {k: v for k, v in result.lane_busy_s.items()
             if any(k.split(":")[0] == e and set(k.split(":")[1].split("+")) & ph for e, ph in on_shared.items())}
     assert len(busy) == 2 and min(busy.values()) > 0, result.lane_busy_s  # both engines ran on it, never at once

@@ -10,10 +10,13 @@ state moves. The mix sends ``rate_r`` requests per second to route r, as large a
 
     maximise sum_r rate_r   s.t.   sum_r rate_r x occupancy_r[d] <= 1 on every device and link,
                                    rate_r <= 1 / request time of r alone
+                                   rate_r / sum of rates x requests >= batch_r   (a finite workload)
 
 a small LP (HiGHS). Memory: the routes sharing a device hold their weights there once (when one route's
 weights on it are a subset of the other's) and each its own state, and the sum must fit; routes that do
-not fit together are not mixed. Throughput is outputs per request x sum_r rate_r.
+not fit together are not mixed. A finite workload must fill every route's engine (each route's share of the
+requests at least the sequences it admits), or the route never runs the batch its costs assume.
+Throughput is outputs per request x sum_r rate_r.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Route:
     occupancy: dict[str, float]  # cluster target name -> seconds per request
     links: dict[tuple[str, str], float] = field(default_factory=dict)  # (src, dst) -> seconds per request
     max_rate: float = 0.0  # requests/s of the route alone
+    batch: int = 1  # sequences its engine admits (the repeated phase's rows)
 
     @property
     def name(self) -> str:
@@ -62,7 +66,8 @@ def route_of(plan: DeploymentPlan, objective: str = "throughput") -> Route | Non
     for mv in plan.state_moves:
         key = (plan.targets[mv.src], plan.targets[mv.dst])
         links[key] = links.get(key, 0.0) + mv.seconds_per_request
-    return Route(plan, occupancy, links, 1.0 / plan.request_time_s)
+    batch = plan.admission.max_seqs if plan.admission else max(s.batch for s in steps)
+    return Route(plan, occupancy, links, 1.0 / plan.request_time_s, batch)
 
 
 def device_memory(routes: list[Route], name: str) -> tuple[float, float]:
@@ -99,8 +104,10 @@ def fit_together(routes: list[Route]) -> bool:
     return True
 
 
-def best_rates(routes: list[Route]) -> np.ndarray:
-    """The LP's requests/s per route (see the module docstring)."""
+def best_rates(routes: list[Route], requests: int | None = None) -> np.ndarray:
+    """The LP's requests/s per route (see the module docstring). ``requests``: a finite workload's count;
+    each route then gets at least the sequences its engine admits (share x requests >= its batch), since
+    an engine a workload cannot fill never runs the batch its cost per request assumes."""
     devices = sorted({t for r in routes for t in r.occupancy})
     links = sorted({k for r in routes for k in r.links})
     n = len(routes)
@@ -114,21 +121,30 @@ def best_rates(routes: list[Route]) -> np.ndarray:
         idx = np.array([i for i, v in enumerate(row) if v > 0], dtype=np.int32)
         if len(idx):
             h.addRow(-highspy.kHighsInf, 1.0, len(idx), idx, np.array([row[i] for i in idx]))
+    if requests is not None:  # requests x rate_r - batch_r x sum of rates >= 0
+        for r, route in enumerate(routes):
+            coef = -np.full(n, float(route.batch))
+            coef[r] += requests
+            h.addRow(0.0, highspy.kHighsInf, n, np.arange(n, dtype=np.int32), coef)
     h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:  # e.g. no split fills both engines
+        return np.zeros(n)
     return np.clip(np.array(h.getSolution().col_value[:n], dtype=float), 0.0, None)
 
 
 def best_mix(plans: list[DeploymentPlan], outputs_per_request: float, prices: dict[str, float],
-             objective: str = "throughput", price_scenario: str = "relative") -> DeploymentPlan | None:
+             objective: str = "throughput", price_scenario: str = "relative",
+             requests: int | None = None) -> DeploymentPlan | None:
     """The best mix of two routes among single-engine ``plans`` (None when no pair beats its better route);
-    ``prices``: each cluster target's price per hour."""
+    ``prices``: each cluster target's price per hour; ``requests``: a finite workload's count, which must
+    fill both routes' engines."""
     routes = [r for r in (route_of(p, objective) for p in plans) if r is not None]
     best, best_rate = None, 0.0
     for pair in itertools.combinations(routes, 2):
         pair = list(pair)
         if not fit_together(pair):
             continue
-        rates = best_rates(pair)
+        rates = best_rates(pair, requests)
         total = float(rates.sum())
         alone = max(r.max_rate for r in pair)
         if total > alone * (1 + 1e-6) and rates.min() > 0 and total > best_rate:

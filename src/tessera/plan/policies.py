@@ -37,6 +37,7 @@ from tessera.plan.mixes import best_mix
 from tessera.plan.problem import PlacementProblem
 from tessera.plan.step_evaluation import evaluate
 from tessera.plan.targets import Target, cluster_targets
+from tessera.workload import PoissonWorkload
 
 NOT_APPLICABLE = {
     ("prefill-decode", "diffusion"): "a diffusion model has no prefill and decode phases",
@@ -547,7 +548,8 @@ def _route_mix(ctx: PlanContext, objective: str, plans: list[DeploymentPlan]) ->
         return None  # a fixed batch is the deployment's: two engines would hold twice as many sequences
     prices = {t.name: t.price(ctx.price_scenario) for t in cluster_targets(ctx.cluster, 1)}
     candidates = [p for p in plans if p.applicable and p.feasible and "tie_with" not in p.extra]
-    return best_mix(candidates, ctx.outputs_per_request, prices, objective, ctx.price_scenario)
+    requests = None if isinstance(ctx.workload, PoissonWorkload) else getattr(ctx.workload, "requests", None)
+    return best_mix(candidates, ctx.outputs_per_request, prices, objective, ctx.price_scenario, requests)
 
 
 def _tessera_batches(outer: PlanContext, seeds: list[DeploymentPlan]):
