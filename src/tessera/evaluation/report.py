@@ -175,6 +175,8 @@ def _offline_md(result: SuiteResult) -> list[str]:
 
 def _bound_md(result: SuiteResult) -> list[str]:
     """The planner's upper bound per offline case, the best baseline and Tessera against it (planned)."""
+    from tessera.plan.bound import headroom_share
+
     cases = [c for c in result.offline if c.bound]
     if not cases:
         return []
@@ -192,7 +194,8 @@ def _bound_md(result: SuiteResult) -> list[str]:
             continue
         top = max(base, key=lambda r: r.planned)
         over = c.bound / top.planned - 1
-        share = ("no headroom" if over < 0.01 else f"{(tess.planned - top.planned) / (c.bound - top.planned):.0%}")
+        taken = headroom_share(tess.planned, top.planned, c.bound)
+        share = "no headroom" if taken is None else f"{taken:.0%}"
         lines.append(f"| {c.cluster} | {c.model} | {top.label} {_num(top.planned)} | {_num(tess.planned)} | "
                      f"{_num(c.bound)} | {over:+.1%} | {share} |")
     return lines + [""]

@@ -399,9 +399,14 @@ class PlanContext:
             if not is_state:
                 weights[t] += size
         reserve = max((sp.activation_reserve for _, sp, _ in problems), default=0.0)
-        tokens = 0.0 if self.spec.family == "ssm" else float(self.main_phase.ctx or 0)
         return MemoryShape([t.name for t in targets], np.array([t.device_bytes for t in targets], dtype=float),
-                           fixed + reserve, per_seq, tokens, weights, reserve)
+                           fixed + reserve, per_seq, self.tokens_per_sequence, weights, reserve)
+
+    @property
+    def tokens_per_sequence(self) -> float:
+        """Cache tokens a sequence holds on average (its mean context); 0 where the state does not grow with
+        the context (an SSM's)."""
+        return 0.0 if self.spec.family == "ssm" else float(self.main_phase.ctx or 0)
 
     def _finite_throughput(self, plan: DeploymentPlan, main: StepPlan, replicas: int) -> None:
         """For a finite workload arriving at once (``fixed:``, ``images:``; not ``offline:``, which is

@@ -468,13 +468,13 @@ def _pipeline_scorer(ctx: PlanContext, targets, m: int, merged, objective: str):
     reserve = ctx.step_problem(main, targets, m).activation_reserve
     capacity = np.array([t.device_bytes for t in targets], dtype=float)
     b0, b1 = ctx.batch, half
-    tokens = 0.0 if ctx.spec.family == "ssm" else float(main.ctx or 0)
 
     def admitted(a):
         ev0, ev1 = evaluate(merged.problem, a), evaluate(merged_small.problem, a)
         r0, r1 = np.array(ev0.resident_bytes), np.array(ev1.resident_bytes)
         per_seq = np.maximum(r0 - r1, 0.0) / (b0 - b1)
-        shape = MemoryShape([t.name for t in targets], capacity, r0 - per_seq * b0 + reserve, per_seq, tokens)
+        shape = MemoryShape([t.name for t in targets], capacity, r0 - per_seq * b0 + reserve, per_seq,
+                            ctx.tokens_per_sequence)
         n = admit(shape, ctx.admission, b0, m).max_seqs
         if n < 1:
             return None
