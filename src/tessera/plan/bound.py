@@ -51,7 +51,7 @@ could still win (or the price of transfers and dependencies it cannot avoid).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import highspy
@@ -208,7 +208,20 @@ def phase_costs(ctx: PlanContext, phase: PhaseSpec, singles: list[Target], count
                 cache: dict | None = None) -> PhaseCosts:
     """A phase's kernel costs on one GPU of each type of :func:`single_targets` (a group's GPU-seconds where
     they are smaller), and the parts of its expert GEMMs when Tessera may split them (``cache``: kernel
-    times by graph and target, shared between calls)."""
+    times by graph and target, shared between calls). A prompt phase costs the mean over the workload's
+    representative prompt lengths, as plans cost it (where every length has the same kernels; else the
+    mean prompt's, which is cheaper, so the bound stays above the plans)."""
+    lengths = ctx.prompt_lengths if phase.phase == "prefill" and phase.seq is not None else []
+    if lengths:
+        each = [_phase_costs(ctx, replace(phase, seq=n, ctx=n), singles, counts, names, cache) for n in lengths]
+        if all(c.whole.shape == each[0].whole.shape and c.split.keys() == each[0].split.keys() for c in each):
+            return PhaseCosts(phase.phase, phase.batch, each[0].weight, np.mean([c.whole for c in each], axis=0),
+                              {k: np.mean([c.split[k] for c in each], axis=0) for k in each[0].split})
+    return _phase_costs(ctx, phase, singles, counts, names, cache)
+
+
+def _phase_costs(ctx: PlanContext, phase: PhaseSpec, singles: list[Target], counts: list[int], names: list[str],
+                 cache: dict | None = None) -> PhaseCosts:
     cache = {} if cache is None else cache
     graph = ctx.graph(phase)
     key = (phase, 1, tuple(t.members for t in singles), 1)

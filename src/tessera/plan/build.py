@@ -77,6 +77,21 @@ class StepProblem:
                 for k in sorted({k for k, tag in self.mapping.origin if isinstance(tag, int)})}
 
 
+def transfer_assignment(planned: KernelGraph, graph: KernelGraph, assignment: list[int]) -> list[int]:
+    """``assignment`` (of ``planned``'s kernels) carried over to ``graph``, a trace of the same step at another
+    shape whose kernel count differs: each kernel takes the target of the planned kernel with the same module
+    scope and op at the same ordinal (the last one when the bucket repeats it more often), a kernel of a scope
+    the plan never saw its predecessor's."""
+    by_key: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for k in planned.kernels:
+        by_key[(k.scope, k.op)].append(int(assignment[k.index]))
+    out: list[int] = []
+    for k in graph.kernels:
+        seen = by_key.get((k.scope, k.op))
+        out.append(seen[min(k.ordinal, len(seen) - 1)] if seen else (out[-1] if out else int(assignment[0])))
+    return out
+
+
 def target_times(graph: KernelGraph, features: list[KernelFeatures], target: Target, options: CostOptions,
                  profile: Profile | None = None, routing: RoutingDistribution | None = None) -> np.ndarray:
     """[K] seconds of each kernel on ``target`` (a single GPU, or a group with its sharding costs)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -20,9 +21,9 @@ from tessera.graph.ir import KernelGraph
 from tessera.graph.layers import LayerStructureError, layer_structure
 from tessera.hardware.cluster import Cluster, parse_cluster
 from tessera.plan.admission import MemoryShape, admit
-from tessera.plan.build import StepProblem, build_step_problem
+from tessera.plan.build import StepProblem, build_step_problem, transfer_assignment
 from tessera.plan.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_LLM, AdmissionConfig, PlanConfig
-from tessera.plan.deployment import DeploymentPlan, StateMove, StepPlan
+from tessera.plan.deployment import DeploymentPlan, StateMove, StepPlan, lane_seconds_per_request
 from tessera.plan.fold import Merged, fold_groups, merge
 from tessera.plan.problem import MICRO_BATCHES
 from tessera.plan.step_evaluation import evaluate
@@ -39,6 +40,7 @@ from tessera.workload import (
 )
 
 Chosen = list[tuple["PhaseSpec", int, tuple[int, ...], dict]]  # per phase: (phase, M, assignment, solver info)
+PROMPT_BINS = 4  # representative prompt lengths a prompt phase is costed at (equal shares of the requests)
 
 
 class PlanningError(TesseraError):
@@ -294,9 +296,10 @@ class PlanContext:
             ev = evaluate(sp.problem, assignment)
             problems.append((phase, sp, assignment))
             evaluations.append(ev)
+            cycle, busy, link = self._over_prompts(phase, targets, m, info.get("expert_parts", 1), sp, assignment, ev)
             steps.append(StepPlan(phase.phase, objective, phase.batch, m, phase.repeats, phase.rows, sp.graph.hash,
-                                  sp.graph_assignment(assignment), ev.cycle_s, ev.critical_path_s, list(ev.busy_s),
-                                  [list(r) for r in ev.link_s], ev.cut_edges, ev.cut_bytes, dict(info),
+                                  sp.graph_assignment(assignment), cycle, ev.critical_path_s, busy,
+                                  link, ev.cut_edges, ev.cut_bytes, dict(info),
                                   {str(k): v for k, v in sp.expert_parts(assignment).items()}))
         residency, _ = self.residency(problems)
         moves = self._state_moves(problems, targets)
@@ -310,16 +313,17 @@ class PlanContext:
         usable = np.array(capacity)
         loads = np.zeros(d)
         links = np.zeros((d, d))
-        phase_bound = 0.0
         for step in steps:
             loads += np.array(step.busy_s) * step.per_request
             links += np.array(step.link_s) * step.per_request
-            phase_bound = max(phase_bound, step.cycle_s * step.per_request)
         for mv in moves:
             links[mv.src, mv.dst] += mv.seconds_per_request
-        t_req = max(loads.max(), links.max(), phase_bound)
+        phase_bound = max(s.cycle_s * s.per_request for s in steps)
+        lane_bound = lane_seconds_per_request(steps)
+        t_req = max(loads.max(), links.max(), lane_bound)
         bound = ("compute on " + targets[int(loads.argmax())].name if t_req == loads.max() else
-                 "link" if t_req == links.max() else "dependencies")
+                 "link" if t_req == links.max() else "dependencies" if t_req == phase_bound else
+                 "phases taking turns on shared devices")
         main = next(s for s in steps if s.phase == self.main_phase.phase)
         used = sorted({t for s in steps for t in s.assignment})
         plan = DeploymentPlan(
@@ -369,6 +373,43 @@ class PlanContext:
                                objective, device, reason)
         again.admission = adm
         return again
+
+    @cached_property
+    def prompt_lengths(self) -> list[int]:
+        """Representative prompt lengths of the workload's distribution (the means of ``PROMPT_BINS``
+        equal-count bins of its prompts, each standing for that share of the requests); empty where the
+        phases are traced at one prompt length that stands for every request (fixed lengths, the runtime's
+        shapes, a median for Poisson arrivals)."""
+        if not isinstance(self.workload, OfflineWorkload) or self.cache_ctx is not None or self.spec.family == "vlm":
+            return []
+        lengths = np.sort(np.asarray(self.workload.lengths.inputs, dtype=float))
+        return [max(1, round(float(b.mean()))) for b in np.array_split(lengths, PROMPT_BINS) if len(b)]
+
+    def _over_prompts(self, phase: PhaseSpec, targets: list[Target], m: int, parts: int, sp: StepProblem,
+                      assignment, ev) -> tuple[float, list[float], list[list[float]]]:
+        """A prompt phase's cycle, busy and link seconds as the mean over the workload's representative prompt
+        lengths (its time grows faster than linearly with the prompt where a fixed weight read gives way to
+        FLOPs and attention, so the time at the mean prompt is short of the mean time), the same placement
+        applied at each; other phases (and a single prompt length) as evaluated."""
+        lengths = self.prompt_lengths if phase.phase == "prefill" and phase.seq is not None else []
+        if not lengths:
+            return ev.cycle_s, list(ev.busy_s), [list(r) for r in ev.link_s]
+        cycle, busy, link = 0.0, np.zeros(len(ev.busy_s)), np.zeros_like(np.asarray(ev.link_s, dtype=float))
+        graph_assignment = sp.graph_assignment(assignment)
+        for n in lengths:
+            at = replace(phase, seq=n, ctx=n)
+            other = self.step_problem(at, targets, m, parts)
+            if other.problem.kernels == sp.problem.kernels:
+                moved = assignment
+            elif parts == 1:  # a prompt of other length repeats some kernels (an SSM's chunked scan)
+                moved = transfer_assignment(sp.graph, other.graph, graph_assignment)
+            else:
+                return ev.cycle_s, list(ev.busy_s), [list(r) for r in ev.link_s]
+            e = evaluate(other.problem, moved)
+            cycle += e.cycle_s / len(lengths)
+            busy += np.asarray(e.busy_s) / len(lengths)
+            link += np.asarray(e.link_s, dtype=float) / len(lengths)
+        return cycle, busy.tolist(), link.tolist()
 
     def memory_shape(self, problems, targets: list[Target]) -> MemoryShape:
         """The engine's memory per target as fixed bytes plus bytes per sequence in flight, over the (phase,

@@ -7,12 +7,15 @@ a directed link) spends ``repeats / rows`` of a phase's cycle load per request (
 ``rows`` = batch requests one token each; a request takes ``out`` of them), plus explicit state moves;
 a phase also cannot run faster than its own cycle. So a request costs
 
-    T = max(max over resources of the summed per-request load, max over phases of repeats/rows x cycle)
+    T = max(max over resources of the summed per-request load,
+            max over lanes of the sum over the lane's phases of repeats/rows x cycle)
 
 seconds of the deployment, ``replicas`` copies serve in parallel, and the throughput is
-``replicas x out / T`` tokens/s (images/s for diffusion) in the steady state. Phases placed on
-disjoint targets overlap (prefill-decode disaggregation); phases sharing a target add up on it. A
-finite workload that arrives at once (``fixed:``, ``images:``) reports outputs over its makespan.
+``replicas x out / T`` tokens/s (images/s for diffusion) in the steady state. A lane is a set of
+phases whose step plans share a target (transitively, see :func:`lanes`): an engine runs one step of a
+lane at a time and a step holds its targets for its whole cycle, so the phases of a lane take turns;
+phases on disjoint targets overlap (prefill-decode disaggregation). A finite workload that arrives at
+once (``fixed:``, ``images:``) reports outputs over its makespan.
 """
 
 from __future__ import annotations
@@ -85,6 +88,33 @@ class StepPlan:
     @property
     def per_request(self) -> float:
         return self.repeats / self.rows
+
+    @property
+    def used_targets(self) -> set[int]:
+        """The target indices the step runs kernels on (split expert parts included)."""
+        return set(self.assignment) | {t for parts in self.expert_parts.values() for t in parts}
+
+
+def lanes(steps: list[StepPlan]) -> list[list[StepPlan]]:
+    """The step plans grouped into lanes: steps whose targets overlap, directly or through another step,
+    share a lane and take turns; different lanes run concurrently. In the order of each lane's first step."""
+    groups: list[tuple[list[StepPlan], set[int]]] = []
+    for s in steps:
+        used = s.used_targets
+        merged = [g for g in groups if g[1] & used]
+        members, targets = [s], set(used)
+        for g in merged:
+            groups.remove(g)
+            members = g[0] + members
+            targets |= g[1]
+        groups.append((members, targets))
+    order = {id(s): i for i, s in enumerate(steps)}
+    return sorted((sorted(g[0], key=lambda s: order[id(s)]) for g in groups), key=lambda g: order[id(g[0])])
+
+
+def lane_seconds_per_request(steps: list[StepPlan]) -> float:
+    """The longest lane's time per request: the cycles of its phases, one after another."""
+    return max((sum(s.cycle_s * s.per_request for s in lane) for lane in lanes(steps)), default=0.0)
 
 
 @dataclass

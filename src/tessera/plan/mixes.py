@@ -55,8 +55,7 @@ def route_of(plan: DeploymentPlan, objective: str = "throughput") -> Route | Non
     occupancy: dict[str, float] = {}
     links: dict[tuple[str, str], float] = {}
     for s in steps:
-        used = set(s.assignment) | {t for parts in s.expert_parts.values() for t in parts}
-        for t in used:
+        for t in s.used_targets:
             occupancy[plan.targets[t]] = occupancy.get(plan.targets[t], 0.0) + s.per_request * s.cycle_s
         for i, row in enumerate(s.link_s):
             for j, sec in enumerate(row):

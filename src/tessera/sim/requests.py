@@ -25,6 +25,7 @@ from tessera.errors import TesseraError
 from tessera.hardware.cluster import Link
 from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DeploymentPlan, EngineAdmission, StateMove, StepPlan
+from tessera.plan.deployment import lanes as plan_lanes
 from tessera.plan.targets import Target, cluster_targets
 from tessera.sched.scheduler import (
     DEFAULT_MAX_CONTEXT,
@@ -86,20 +87,14 @@ def _match_targets(ctx: PlanContext, names: list[str], replicas: int, types: lis
 
 
 def _lanes(steps: list[StepPlan], shared: list[Target] | None = None) -> list[Lane]:
-    """Phases grouped so that phases whose targets overlap share a lane (``shared``: the engine's targets,
-    which other engines' lanes also use: a lane then waits while another engine's lane on one of its
-    devices runs a step)."""
-    groups: list[tuple[set[str], set[int]]] = []
-    for s in steps:
-        used = set(s.assignment) | {t for parts in s.expert_parts.values() for t in parts}
-        merged = [g for g in groups if g[1] & used]
-        phases, targets = {s.phase}, set(used)
-        for g in merged:
-            groups.remove(g)
-            phases |= g[0]
-            targets |= g[1]
-        groups.append((phases, targets))
-    return [Lane(p, frozenset(shared[t].name for t in used) if shared else frozenset()) for p, used in groups]
+    """The engine's lanes (the plan's :func:`~tessera.plan.deployment.lanes`: phases sharing a target take
+    turns); ``shared``: the engine's targets, which other engines' lanes also use: a lane then waits while
+    another engine's lane on one of its devices runs a step."""
+    out = []
+    for lane in plan_lanes(steps):
+        used = set().union(*(s.used_targets for s in lane))
+        out.append(Lane({s.phase for s in lane}, frozenset(shared[t].name for t in used) if shared else frozenset()))
+    return out
 
 
 def _delays(moves: list[StateMove], steps: list[StepPlan]) -> dict[str, float]:

@@ -18,14 +18,13 @@ combine, as the parts run in parallel; the parts' token transfers are not in the
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from tessera.errors import TesseraError
-from tessera.graph.ir import KernelGraph
 from tessera.hardware.cluster import Link
+from tessera.plan.build import transfer_assignment
 from tessera.plan.context import PhaseSpec, PlanContext
 from tessera.plan.deployment import StepPlan
 from tessera.plan.targets import Target, link_between
@@ -37,21 +36,6 @@ STREAM_STEPS = 4  # steps streamed to measure the steady-state period
 
 class StepTimingError(TesseraError):
     """A step plan that cannot be applied to a bucket's graph."""
-
-
-def transfer_assignment(planned: KernelGraph, graph: KernelGraph, assignment: list[int]) -> list[int]:
-    """``assignment`` (of ``planned``'s kernels) carried over to ``graph``, a trace of the same step at another
-    shape whose kernel count differs: each kernel takes the target of the planned kernel with the same module
-    scope and op at the same ordinal (the last one when the bucket repeats it more often), a kernel of a scope
-    the plan never saw its predecessor's."""
-    by_key: dict[tuple[str, str], list[int]] = defaultdict(list)
-    for k in planned.kernels:
-        by_key[(k.scope, k.op)].append(int(assignment[k.index]))
-    out: list[int] = []
-    for k in graph.kernels:
-        seen = by_key.get((k.scope, k.op))
-        out.append(seen[min(k.ordinal, len(seen) - 1)] if seen else (out[-1] if out else int(assignment[0])))
-    return out
 
 
 @dataclass(frozen=True)
