@@ -5,7 +5,7 @@ Usage: python benchmarks/plan_quality.py [--models m1,m2] [--pairs A100+L40S,...
 For each GPU pair (one of each type, 200 Gb/s InfiniBand between them) and each evaluation model,
 solves every policy (`tessera plan --compare`) for the default workload of its family and prints
 throughput, throughput per cost (published relative prices), the case's upper bound on throughput
-(`tessera.plan.bound`: fractional kernels, free transfers), Tessera's margin over the best baseline, its
+(`tessera.plan.bound`: fractional kernels, the least transfers they need), Tessera's margin over the best baseline, its
 share of the headroom between that baseline and the bound, and the shape of Tessera's plan. With --write the tables replace the generated part of
 docs/plan_quality.md. Every figure is a prediction of the cost model, not a measurement.
 """
@@ -76,7 +76,7 @@ def run(models, pairs) -> list[str]:
                   f"One {a} and one {b}, 200 Gb/s InfiniBand; throughput in tokens/s (images/s for sd3.5-medium), "
                   "and per relative price-hour in brackets. n/a: the policy does not apply; 'no fit': it does not "
                   "fit the devices' memory. bound: the best throughput any placement could reach with kernels split "
-                  "fractionally and transfers free; headroom: Tessera's share of (bound - best baseline).", "",
+                  "fractionally and only the transfers such a split must make charged; headroom: Tessera's share of (bound - best baseline).", "",
                   "| model | " + " | ".join(COLUMNS) + " | bound | Tessera vs best baseline | headroom | Tessera's plan |",
                   "|---" * (len(COLUMNS) + 5) + "|"]
         for model in models:

@@ -10,7 +10,7 @@ from tessera.cost.model import CostModel
 from tessera.hardware.cluster import parse_cluster
 from tessera.hardware.devices import resolve_device
 from tessera.plan.context import PROMPT_BINS, PlanContext
-from tessera.plan.deployment import StepPlan, lane_seconds_per_request, lanes
+from tessera.plan.deployment import StepPlan, busiest_lane, lanes
 from tessera.plan.planner import plan_policy
 from tessera.plan.targets import cluster_targets
 from tessera.sim.requests import _lanes
@@ -25,10 +25,10 @@ def _step(phase: str, assignment: list[int], cycle: float, repeats: float = 1.0,
 def test_lanes_group_phases_that_share_a_target_directly_or_through_another():
     enc, pre, dec = _step("encode", [0], 1.0), _step("prefill", [1], 2.0), _step("decode", [2, 2], 3.0, 8, 4)
     assert [[s.phase for s in lane] for lane in lanes([enc, pre, dec])] == [["encode"], ["prefill"], ["decode"]]
-    assert lane_seconds_per_request([enc, pre, dec]) == 3.0 * 8 / 4
+    assert busiest_lane([enc, pre, dec]) == (3.0 * 8 / 4, [dec])
     bridge = _step("prefill", [0, 2], 2.0)  # touches both the encoder's and the decoder's targets
     assert [[s.phase for s in lane] for lane in lanes([enc, bridge, dec])] == [["encode", "prefill", "decode"]]
-    assert lane_seconds_per_request([enc, bridge, dec]) == 1.0 + 2.0 + 3.0 * 8 / 4
+    assert busiest_lane([enc, bridge, dec]) == (1.0 + 2.0 + 3.0 * 8 / 4, [enc, bridge, dec])
     split = _step("decode", [2], 3.0)
     split.expert_parts = {"0": [1, 2]}  # a split expert GEMM's parts use their targets too
     assert len(lanes([pre, split])) == 1 and lanes([]) == []

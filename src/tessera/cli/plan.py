@@ -170,7 +170,7 @@ def _bound_line(plans, ctx) -> None:
         return
     b = upper_bound(ctx)
     work = ", ".join(f"{t} {v:.0%}" for t, v in b.work_share.items())
-    line = (f"upper bound: {tess.bound:,.1f} {tess.unit} (fractional kernels, free transfers; {b.limited_by}; "
+    line = (f"upper bound: {tess.bound:,.1f} {tess.unit} (fractional kernels, least transfers; {b.limited_by}; "
             f"work {work}); tessera reaches {tess.throughput / tess.bound:.0%} of it")
     share = _headroom(plans)
     if share is not None:

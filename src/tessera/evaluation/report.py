@@ -182,7 +182,8 @@ def _bound_md(result: SuiteResult) -> list[str]:
         return []
     lines = ["### Upper bound and Tessera's share of the headroom (planned)", "",
              "The bound is the best throughput any placement could reach with every kernel's work split "
-             "fractionally over the GPU types and free transfers, memory and admission counted "
+             "fractionally over the GPU types, the least transfers those fractions need charged to the links (no "
+             "dependencies or message latencies), memory and admission counted "
              "(`tessera.plan.bound`). Headroom share: (Tessera - best baseline) / (bound - best baseline), "
              "on the planner's steady-state figures.", "",
              "| pair | model | best baseline | tessera | bound | bound over best baseline | headroom share |",

@@ -1,9 +1,16 @@
-"""An upper bound on the throughput of any placement of a case: kernels split fractionally, transfers free.
+"""An upper bound on the throughput of any placement of a case: kernels split fractionally, transfers at
+their least.
 
 Every phase's kernels may be divided across the cluster's device types in any fractions; each type's
-per-request load is the GPU-seconds of its share of the work, divided by its GPU count; no transfers,
-dependencies, critical paths or memory placement are charged. The LP (HiGHS) minimises the largest
-per-GPU load ``T``; the bound is ``outputs per request / T``, in the plan's unit.
+per-request load is the GPU-seconds of its share of the work, divided by its GPU count. Transfers: for
+every read-after-write edge u -> v of a step and every type a, the share of requests whose producer runs
+on a and consumer does not is at least ``x[u, a] - x[v, a]``, and that share of the edge's bytes leaves a
+over its GPUs' links to the other types (their bandwidths summed); each type's outbound link seconds per
+request are at most ``T`` too. Any mix of integral placements moves at least that much (the triangle
+inequality), so the bound stays above every plan; a uniform split (request-dist's, every kernel at the
+same share) moves nothing. No dependencies, critical paths, message latencies or memory placement are
+charged. The LP (HiGHS) minimises the largest per-GPU load ``T``; the bound is ``outputs per request /
+T``, in the plan's unit.
 
 Batch. A plan's per-request work depends on the rows a step serves: a decode step of ``b`` sequences
 costs ``t(b)`` and serves ``b`` requests one token each, so a kernel costs ``repeats x t(b) / b`` per
@@ -59,6 +66,7 @@ import numpy as np
 
 from tessera.cost.features import FeatureExtractor, is_kv_buffer
 from tessera.errors import TesseraError
+from tessera.graph.dataflow import data_edges
 from tessera.hardware.cluster import SAME_DEVICE
 from tessera.plan.build import activation_peak, memory_items, target_times
 from tessera.plan.context import PhaseSpec, PlanContext
@@ -76,7 +84,7 @@ class BoundError(TesseraError):
 
 @dataclass(frozen=True)
 class ThroughputBound:
-    """The best throughput any placement of the case could reach (fractional kernels, free transfers)."""
+    """The best throughput any placement of the case could reach (fractional kernels, least transfers)."""
 
     throughput: float  # in ``unit``
     unit: str
@@ -90,11 +98,15 @@ class ThroughputBound:
     compute_types: tuple[str, ...]  # device types whose per-GPU load is T
     seconds: float  # to compute the bound (tracing, cost model, LP)
     memory: dict[str, float] = field(default_factory=dict)  # the batch's memory arithmetic, in bytes
+    link_types: tuple[str, ...] = ()  # device types whose outbound links are busy all the time
+    link_share: dict[str, float] = field(default_factory=dict)  # type -> its links' busy share of the request time
 
     @property
     def limited_by(self) -> str:
-        """What limits the bound: compute on which types, at a batch set by what."""
-        return f"compute on {' and '.join(self.compute_types)} at a batch of {self.batch} ({self.batch_limited_by})"
+        """What limits the bound: compute on which types, the links out of which, at a batch set by what."""
+        parts = ([f"compute on {' and '.join(self.compute_types)}"] if self.compute_types else []) + \
+            ([f"the links out of {' and '.join(self.link_types)}"] if self.link_types else [])
+        return f"{' and '.join(parts) or 'compute'} at a batch of {self.batch} ({self.batch_limited_by})"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (``--json``, benchmark reports)."""
@@ -103,7 +115,7 @@ class ThroughputBound:
                 "batch_share": {str(k): v for k, v in self.batch_share.items()}, "work_share": self.work_share,
                 "phase_share": self.phase_share,
                 "compute_types": list(self.compute_types), "limited_by": self.limited_by, "seconds": self.seconds,
-                "memory": self.memory}
+                "memory": self.memory, "link_types": list(self.link_types), "link_share": self.link_share}
 
 
 def headroom_share(throughput: float, baseline: float, bound: float) -> float | None:
@@ -120,6 +132,20 @@ def single_targets(ctx: PlanContext) -> tuple[list[str], list[int], list[Target]
     names = list(types)
     return names, [len(types[n]) for n in names], [Target(types[n][0].spec, (types[n][0].id,), SAME_DEVICE)
                                                     for n in names]
+
+
+def outbound_bandwidth(ctx: PlanContext, names: list[str]) -> np.ndarray:
+    """Per device type, the bytes/s its GPUs can send to GPUs of the other types together: every GPU's link
+    to every GPU of another type, each at its own bandwidth (a generous total, so the bound stays above
+    any plan, which sends over those links)."""
+    types = ctx.cluster.placement_types()
+    out = np.zeros(len(names))
+    for i, name in enumerate(names):
+        for g in types[name]:
+            for other, members in types.items():
+                if other != name:
+                    out[i] += sum(ctx.cluster.link(g.id, h.id).bandwidth for h in members)
+    return out
 
 
 def _fixed_phases(ctx: PlanContext) -> list[PhaseSpec]:
@@ -170,14 +196,16 @@ def candidate_batches(batch: int) -> tuple[int, ...]:
 @dataclass
 class PhaseCosts:
     """One phase at one batch: ``weight`` = steps per request / rows per step, ``whole[k, t]`` the
-    GPU-seconds of kernel k per step on type t (inf: it cannot run there), and ``split[k]`` [J, D] the
-    parts and combine of a grouped expert GEMM that may be split instead of run whole."""
+    GPU-seconds of kernel k per step on type t (inf: it cannot run there), ``split[k]`` [J, D] the
+    parts and combine of a grouped expert GEMM that may be split instead of run whole, and ``edges`` the
+    bytes each read-after-write dependency carries per step (moved where producer and consumer differ)."""
 
     phase: str
     batch: int
     weight: float
     whole: np.ndarray
     split: dict[int, np.ndarray] = field(default_factory=dict)
+    edges: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))  # [E, 3]: producer, consumer, bytes per step
 
 
 @dataclass(frozen=True)
@@ -189,6 +217,7 @@ class FractionalSolution:
     loads: np.ndarray
     mode_share: list[np.ndarray]  # per phase, the share of requests run in each of its modes
     work: dict[str, np.ndarray]  # phase -> [D] its work per request on each type (fastest-type seconds)
+    link_s: np.ndarray | None = None  # [D] seconds per request of each type's outbound links (transfers charged)
 
 
 def _target_times(ctx: PlanContext, phase: PhaseSpec, graph, features, routing, target: Target,
@@ -215,8 +244,11 @@ def phase_costs(ctx: PlanContext, phase: PhaseSpec, singles: list[Target], count
     if lengths:
         each = [_phase_costs(ctx, replace(phase, seq=n, ctx=n), singles, counts, names, cache) for n in lengths]
         if all(c.whole.shape == each[0].whole.shape and c.split.keys() == each[0].split.keys() for c in each):
+            same = all(c.edges.shape == each[0].edges.shape and (c.edges[:, :2] == each[0].edges[:, :2]).all()
+                       for c in each)
+            edges = np.mean([c.edges for c in each], axis=0) if same else np.zeros((0, 3))
             return PhaseCosts(phase.phase, phase.batch, each[0].weight, np.mean([c.whole for c in each], axis=0),
-                              {k: np.mean([c.split[k] for c in each], axis=0) for k in each[0].split})
+                              {k: np.mean([c.split[k] for c in each], axis=0) for k in each[0].split}, edges)
     return _phase_costs(ctx, phase, singles, counts, names, cache)
 
 
@@ -241,7 +273,8 @@ def _phase_costs(ctx: PlanContext, phase: PhaseSpec, singles: list[Target], coun
     split: dict[int, np.ndarray] = {}
     if ctx.spec.family == "moe" and ctx.split_experts and routing is not None:
         split = _expert_splits(ctx, features, singles, routing)
-    return PhaseCosts(phase.phase, phase.batch, phase.repeats / phase.rows, whole, split)
+    edges = np.array([(u, v, b) for u, v, b in data_edges(graph) if b > 0], dtype=float).reshape(-1, 3)
+    return PhaseCosts(phase.phase, phase.batch, phase.repeats / phase.rows, whole, split, edges)
 
 
 def _expert_splits(ctx: PlanContext, features, singles: list[Target], routing) -> dict[int, np.ndarray]:
@@ -281,7 +314,7 @@ def upper_bound(ctx: PlanContext) -> ThroughputBound:
         # the other phases as the children have them (their state rows follow the batch under a fixed M)
         variants = list(dict.fromkeys([ph, *(c.phases[i] for c in children)]))
         phases.append([phase_costs(ctx, v, singles, counts, names, cache) for v in variants])
-    lp = fractional_request_time(phases, counts)
+    lp = fractional_request_time(phases, counts, outbound_bandwidth(ctx, names))
     t_req, loads = lp.request_time_s, lp.loads
     shares = lp.mode_share[ctx.phases.index(ctx.main_phase)]
     top = max(loads / np.array(counts))
@@ -291,8 +324,11 @@ def upper_bound(ctx: PlanContext) -> ThroughputBound:
         batch_share={m.batch: float(s) for m, s in zip(repeated, shares, strict=True) if s > 1e-9},
         work_share=_shares(names, sum(lp.work.values())),
         phase_share={phase: _shares(names, w) for phase, w in lp.work.items()},
-        compute_types=tuple(n for n, v, c in zip(names, loads, counts, strict=True) if v / c >= top * (1 - 1e-6)),
-        seconds=time.perf_counter() - t0, memory=memory)
+        compute_types=tuple(n for n, v, c in zip(names, loads, counts, strict=True)
+                            if v / c >= t_req * (1 - 1e-6) and v / c >= top * (1 - 1e-6)),
+        seconds=time.perf_counter() - t0, memory=memory,
+        link_types=tuple(n for n, v in zip(names, lp.link_s, strict=True) if t_req > 0 and v >= t_req * (1 - 1e-6)),
+        link_share={n: float(v) / t_req for n, v in zip(names, lp.link_s, strict=True) if t_req > 0 and v > 0})
     ctx.__dict__["_bound"] = bound
     return bound
 
@@ -319,10 +355,11 @@ class _Columns:
 
 
 def _place(lp: _Columns, cost: np.ndarray, weight: float, load: list[list[tuple[np.ndarray, np.ndarray]]],
-           extra: list[list[tuple[int, float]]], rhs: float, work: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+           extra: list[list[tuple[int, float]]], rhs: float, work: list[tuple[int, np.ndarray, np.ndarray]]) -> np.ndarray:
     """Columns x[k, t] >= 0 for the finite entries of ``cost`` [K, D], one row per kernel ``sum_t x[k, t] +
     extra[k] = rhs``; their GPU-seconds (``weight`` x cost) added to each type's load, and their work
-    (``weight`` x the kernel's time on its fastest type, a unit common to the types) to ``work``."""
+    (``weight`` x the kernel's time on its fastest type, a unit common to the types) to ``work``. Returns the
+    columns [K, D] (-1 where the kernel cannot run)."""
     finite = np.isfinite(cost)
     cols = np.full(cost.shape, -1)
     cols[finite] = lp.new(int(finite.sum()))
@@ -334,14 +371,38 @@ def _place(lp: _Columns, cost: np.ndarray, weight: float, load: list[list[tuple[
     for d in range(cost.shape[1]):
         load[d].append((cols[finite[:, d], d], weight * cost[finite[:, d], d]))
         work.append((d, cols[finite[:, d], d], weight * fastest[finite[:, d]]))
+    return cols
 
 
-def fractional_request_time(phases: list[list[PhaseCosts]], gpus: np.ndarray | list[int]) -> FractionalSolution:
+def _transfers(lp: _Columns, cols: np.ndarray, mode: PhaseCosts, weight: float, out_bandwidth: np.ndarray,
+               links: list[list[tuple]]) -> None:
+    """The bytes a mode's placement must move, charged to the sending type's links: for every edge (u -> v)
+    and type a, a column f >= x[u, a] - x[v, a] (the share of requests whose producer runs on a and consumer
+    does not), its bytes x ``weight`` / a's outbound bandwidth added to a's link seconds. A mix of integral
+    placements moves at least this (the triangle inequality); split expert GEMMs' edges are left out."""
+    keep = [i for i, (u, v, _) in enumerate(mode.edges) if int(u) not in mode.split and int(v) not in mode.split]
+    if not keep:
+        return
+    edges = mode.edges[keep]
+    for a in range(cols.shape[1]):
+        f = lp.new(len(edges))
+        cu, cv = cols[edges[:, 0].astype(int), a], cols[edges[:, 1].astype(int), a]
+        for e in range(len(edges)):
+            terms = [(int(f[e]), 1.0)] + ([(int(cu[e]), -1.0)] if cu[e] >= 0 else []) + \
+                ([(int(cv[e]), 1.0)] if cv[e] >= 0 else [])
+            lp.row([c for c, _ in terms], [x for _, x in terms], 0.0, highspy.kHighsInf)
+        links[a].append((f, weight * edges[:, 2] / out_bandwidth[a], cu, cv))
+
+
+def fractional_request_time(phases: list[list[PhaseCosts]], gpus: np.ndarray | list[int],
+                            out_bandwidth: np.ndarray | list[float] | None = None) -> FractionalSolution:
     """The LP over kernel fractions: the least per-GPU seconds per request of the busiest device type
     (``gpus[t]`` GPUs of type t). Each entry of ``phases`` is one phase's modes (the same phase at several
     batches or state sizes); a request runs each phase in any mix of its modes. Every kernel of a mode is
     placed in full at the mode's share: whole on the types, or (split expert GEMMs) at a split share u
-    with each part and the combine placed at u."""
+    with each part and the combine placed at u. ``out_bandwidth[t]``: the bytes/s type t's GPUs can send
+    to the other types together; given, every edge a placement cuts is charged to the sender's links, whose
+    seconds per request are also at most the request time (:func:`_transfers`)."""
     counts = np.asarray(gpus, dtype=float)
     d = len(counts)
     scale = sum(modes[-1].weight * float(np.where(np.isfinite(modes[-1].whole), modes[-1].whole, np.inf).min(axis=1).sum())
@@ -349,6 +410,7 @@ def fractional_request_time(phases: list[list[PhaseCosts]], gpus: np.ndarray | l
     lp = _Columns()
     t_col = int(lp.new(1)[0])
     load: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(d)]
+    links: list[list[tuple]] = [[] for _ in range(d)]  # per type: (f columns, seconds per unit, x[u], x[v] columns)
     work: dict[str, list[tuple[int, np.ndarray, np.ndarray]]] = {}
     shares = []
     for modes in phases:
@@ -359,20 +421,34 @@ def fractional_request_time(phases: list[list[PhaseCosts]], gpus: np.ndarray | l
             u = dict(zip(m.split, lp.new(len(m.split)).tolist(), strict=True))
             extra = [([(u[k], 1.0)] if k in u else []) + [(zc, -1.0)] for k in range(m.whole.shape[0])]
             mine = work.setdefault(m.phase, [])
-            _place(lp, m.whole, m.weight / scale, load, extra, 0.0, mine)
+            cols = _place(lp, m.whole, m.weight / scale, load, extra, 0.0, mine)
+            if out_bandwidth is not None and d > 1:
+                _transfers(lp, cols, m, m.weight / scale, np.asarray(out_bandwidth, dtype=float), links)
             for k, parts in m.split.items():
                 _place(lp, parts, m.weight / scale, load, [[(u[k], -1.0)]] * parts.shape[0], 0.0, mine)
     for dd in range(d):
         lp.row(np.concatenate([c for c, _ in load[dd]] + [[t_col]]),
                np.concatenate([v for _, v in load[dd]] + [[-counts[dd]]]), -highspy.kHighsInf, 0.0)
+    for dd in range(d):
+        if links[dd]:
+            lp.row(np.concatenate([c[0] for c in links[dd]] + [[t_col]]),
+                   np.concatenate([c[1] for c in links[dd]] + [[-1.0]]), -highspy.kHighsInf, 0.0)
     value = _run(lp, t_col)
     loads = np.array([sum(float(np.dot(value[c], v)) for c, v in load[dd]) for dd in range(d)])
+
+    def share(c: np.ndarray) -> np.ndarray:
+        return np.where(c >= 0, value[np.maximum(c, 0)], 0.0)
+
+    # the flows the placement needs (the f columns may sit above them where a link has room)
+    link_s = np.array([sum(float(np.dot(np.maximum(share(cu) - share(cv), 0.0), v)) for _, v, cu, cv in links[dd])
+                       for dd in range(d)]) * scale
     per_phase = {}
     for phase, entries in work.items():
         per_phase[phase] = np.zeros(d)
         for dd, c, v in entries:
             per_phase[phase][dd] += float(np.dot(value[c], v)) * scale
-    return FractionalSolution(float(value[t_col]) * scale, loads * scale, [value[z] for z in shares], per_phase)
+    return FractionalSolution(float(value[t_col]) * scale, loads * scale, [value[z] for z in shares], per_phase,
+                              link_s)
 
 
 def _run(lp: _Columns, t_col: int) -> np.ndarray:

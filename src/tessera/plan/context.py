@@ -23,7 +23,7 @@ from tessera.hardware.cluster import Cluster, parse_cluster
 from tessera.plan.admission import MemoryShape, admit
 from tessera.plan.build import StepProblem, build_step_problem, transfer_assignment
 from tessera.plan.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_LLM, AdmissionConfig, PlanConfig
-from tessera.plan.deployment import DeploymentPlan, StateMove, StepPlan, lane_seconds_per_request
+from tessera.plan.deployment import DeploymentPlan, StateMove, StepPlan, busiest_lane
 from tessera.plan.fold import Merged, fold_groups, merge
 from tessera.plan.problem import MICRO_BATCHES
 from tessera.plan.step_evaluation import evaluate
@@ -318,12 +318,12 @@ class PlanContext:
             links += np.array(step.link_s) * step.per_request
         for mv in moves:
             links[mv.src, mv.dst] += mv.seconds_per_request
-        phase_bound = max(s.cycle_s * s.per_request for s in steps)
-        lane_bound = lane_seconds_per_request(steps)
+        lane_bound, lane = busiest_lane(steps)
         t_req = max(loads.max(), links.max(), lane_bound)
         bound = ("compute on " + targets[int(loads.argmax())].name if t_req == loads.max() else
-                 "link" if t_req == links.max() else "dependencies" if t_req == phase_bound else
-                 "phases taking turns on shared devices")
+                 "link" if t_req == links.max() else
+                 "phases taking turns on shared devices" if len(set().union(*(s.used_targets for s in lane))) > 1
+                 and len(lane) > 1 else "dependencies")
         main = next(s for s in steps if s.phase == self.main_phase.phase)
         used = sorted({t for s in steps for t in s.assignment})
         plan = DeploymentPlan(

@@ -112,9 +112,10 @@ def lanes(steps: list[StepPlan]) -> list[list[StepPlan]]:
     return sorted((sorted(g[0], key=lambda s: order[id(s)]) for g in groups), key=lambda g: order[id(g[0])])
 
 
-def lane_seconds_per_request(steps: list[StepPlan]) -> float:
-    """The longest lane's time per request: the cycles of its phases, one after another."""
-    return max((sum(s.cycle_s * s.per_request for s in lane) for lane in lanes(steps)), default=0.0)
+def busiest_lane(steps: list[StepPlan]) -> tuple[float, list[StepPlan]]:
+    """The longest lane's time per request (the cycles of its phases, one after another) and that lane."""
+    return max(((sum(s.cycle_s * s.per_request for s in lane), lane) for lane in lanes(steps)),
+               key=lambda x: x[0], default=(0.0, []))
 
 
 @dataclass
@@ -145,7 +146,7 @@ class DeploymentPlan:
     price_scenario: str = "relative"
     bottleneck: str = ""  # what limits throughput
     admission: EngineAdmission | None = None  # per engine (request-dist: per device type, in extra["replicas"])
-    bound: float | None = None  # the case's upper bound on throughput (fractional kernels, free transfers)
+    bound: float | None = None  # the case's upper bound on throughput (fractional kernels, least transfers)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
