@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 
 from tessera.hardware.cluster import parse_cluster
+from tessera.plan.admission import round_batch
 from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DeploymentPlan
-from tessera.plan.mixes import Route, best_rates, fit_together
+from tessera.plan.mixes import Route, best_rates, fit_together, route_of
 from tessera.plan.planner import compare
+from tessera.plan.policies import MIN_ROUTE_BATCH, ROUTE_BATCH_SHARES, smaller_engines
 from tessera.sim.requests import simulate
 from tessera.workload import parse_workload
 
@@ -76,12 +78,12 @@ def test_tessera_mixes_routes_where_that_beats_every_baseline(smollm2_mix):
     assert all(r["share"] * 1000 >= r["admission"]["max_seqs"] * (1 - 1e-6) for r in routes)  # engines filled
     # no device is busier than all the time: each route occupies its devices for its phases' cycles
     load: dict[str, float] = {}
-    for r, rate in zip(routes, rates, strict=True):
-        sub = next(p for p in plans if p.policy == r["policy"] and p.device == r["device"])
-        for s in sub.steps:
-            if s.objective == "throughput":
-                for t in set(s.assignment):
-                    load[sub.targets[t]] = load.get(sub.targets[t], 0.0) + rate * s.per_request * s.cycle_s
+    for s in tess.steps:
+        k = s.solver["route_of"]
+        if s.objective == "throughput":
+            for t in set(s.assignment):
+                name = routes[k]["targets"][t]
+                load[name] = load.get(name, 0.0) + rates[k] * s.per_request * s.cycle_s
     assert max(load.values()) <= 1 + 1e-6 and min(load.values()) > 0.5
     assert all(m <= c * (1 + 1e-9) for m, c in zip(tess.memory_bytes, tess.memory_capacity, strict=True))
     assert {s.solver["route_of"] for s in tess.steps} == {0, 1}
@@ -105,3 +107,24 @@ def test_the_simulator_runs_a_mix_with_its_routes_taking_turns(smollm2_mix):
             if any(k.split(":")[0] == e and set(k.split(":")[1].split("+")) & ph for e, ph in on_shared.items())}
     assert len(busy) == 2 and min(busy.values()) > 0, result.lane_busy_s  # both engines ran on it, never at once
     assert sum(busy.values()) <= result.makespan_s * (1 + 1e-9)
+
+
+def test_smaller_engines_keep_the_placement_and_admit_their_batch(smollm2_mix):
+    ctx, plans = smollm2_mix
+    for plan in (next(p for p in plans if p.policy == "prefill-decode"), next(p for p in plans if p.device == "A100")):
+        full = plan.admission.max_seqs
+        small = smaller_engines(ctx, plan, "throughput")
+        want = sorted({round_batch(int(full * f), 1) for f in ROUTE_BATCH_SHARES} - {full}, reverse=True)
+        assert [v.admission.max_seqs for v in small] == [b for b in want if b >= MIN_ROUTE_BATCH]
+        for v in small:
+            assert v.policy == plan.policy and v.device == plan.device and v.targets == plan.targets
+            assert v.extra["smaller_engine_of"] == full and "smaller engine" in v.admission.limited_by
+            for s in v.steps:  # the same placement, at the smaller batch
+                same = plan.step(s.phase, s.objective)
+                assert s.assignment == same.assignment
+                assert s.batch == (v.admission.max_seqs if s.phase == "decode" else same.batch)
+            # a smaller engine costs more per request: weights and launches amortised over fewer rows
+            assert v.throughput < plan.throughput
+            assert route_of(v).batch == v.admission.max_seqs
+            assert all(m <= f for m, f in zip(v.memory_bytes, plan.memory_bytes, strict=True))
+    assert smaller_engines(ctx, next(p for p in plans if p.policy == "request-dist"), "throughput") == []

@@ -186,7 +186,8 @@ def _mix_plan(routes: list[Route], rates: np.ndarray, outputs: float, prices: di
 
 
 def _describe(r: Route) -> str:
-    return f"on {r.name}" + (f" ({r.plan.reason})" if r.plan.reason and r.plan.policy != "homogeneous" else "")
+    return f"on {r.name}" + (f" ({r.plan.reason})" if r.plan.reason and r.plan.policy != "homogeneous" else "") + \
+        (f", an engine of {r.batch} sequences" if "smaller_engine_of" in r.plan.extra else "")
 
 
 def _bottleneck(routes: list[Route], rates: np.ndarray) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -48,6 +49,8 @@ NOT_APPLICABLE = {
 MAX_PIPELINE_CANDIDATES = 200_000
 EXPERT_PARTS = 2  # expert groups per grouped GEMM when Tessera splits an MoE layer's experts
 OTHER_PHASE_TIME_SHARE = 0.3  # of a step solve's time limit for the phases a request needs once (prefill)
+MIN_ROUTE_BATCH = 16  # the fewest sequences a smaller engine of a route mix admits
+ROUTE_BATCH_SHARES = (1 / 2, 3 / 8, 1 / 4, 3 / 16, 1 / 8)  # smaller engines' sizes, of the full engine's
 
 
 
@@ -548,8 +551,45 @@ def _route_mix(ctx: PlanContext, objective: str, plans: list[DeploymentPlan]) ->
         return None  # a fixed batch is the deployment's: two engines would hold twice as many sequences
     prices = {t.name: t.price(ctx.price_scenario) for t in cluster_targets(ctx.cluster, 1)}
     candidates = [p for p in plans if p.applicable and p.feasible and "tie_with" not in p.extra]
+    candidates += [v for p in candidates for v in smaller_engines(ctx, p, objective)]
     requests = None if isinstance(ctx.workload, PoissonWorkload) else getattr(ctx.workload, "requests", None)
     return best_mix(candidates, ctx.outputs_per_request, prices, objective, ctx.price_scenario, requests)
+
+
+def smaller_engines(ctx: PlanContext, plan: DeploymentPlan, objective: str) -> list[DeploymentPlan]:
+    """A single-engine plan's placement again at smaller engines (``ROUTE_BATCH_SHARES`` of the sequences it
+    admits, at least ``MIN_ROUTE_BATCH``): in a mix a route that takes a small share of the requests, or
+    the spare time of a device another route keeps busy, runs at the batch its share fills (each one
+    costs more per request than the full engine, and holds less state where it shares a device)."""
+    if plan.replicas != 1 or plan.admission is None or "replicas" in plan.extra or "routes" in plan.extra:
+        return []
+    steps = [s for s in plan.steps if s.objective == objective]
+    offered = {t.name: t for t in cluster_targets(ctx.cluster, 1, [plan.device] if plan.device else None)}
+    if not steps or any(n not in offered for n in plan.targets):
+        return []
+    targets = [offered[n] for n in plan.targets]
+    full, out, tried = plan.admission.max_seqs, [], set()
+    for share in ROUTE_BATCH_SHARES:
+        batch = round_batch(int(full * share), max(s.micro_batches for s in steps))
+        if batch < MIN_ROUTE_BATCH or batch >= full or batch in tried:
+            continue
+        tried.add(batch)
+        child = ctx.for_batch(batch)
+        phases = {p.phase: p for p in child.phases}
+        chosen = []
+        for s in steps:
+            sp = child.step_problem(phases[s.phase], targets, s.micro_batches, s.solver.get("expert_parts", 1))
+            if len(s.assignment) != len(sp.graph.kernels):
+                break
+            chosen.append((phases[s.phase], s.micro_batches, tuple(sp.problem_assignment(s.assignment, s.expert_parts)),
+                           dict(s.solver)))
+        else:
+            small = child.assemble(plan.policy, targets, 1, chosen, objective, plan.device, plan.reason)
+            if small.feasible and small.admission is not None and small.admission.max_seqs == batch:
+                small.admission = replace(small.admission, limited_by=f"a smaller engine of {batch} sequences")
+                small.extra["smaller_engine_of"] = full
+                out.append(small)
+    return out
 
 
 def _tessera_batches(outer: PlanContext, seeds: list[DeploymentPlan]):
