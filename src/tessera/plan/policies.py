@@ -50,7 +50,7 @@ MAX_PIPELINE_CANDIDATES = 200_000
 EXPERT_PARTS = 2  # expert groups per grouped GEMM when Tessera splits an MoE layer's experts
 OTHER_PHASE_TIME_SHARE = 0.3  # of a step solve's time limit for the phases a request needs once (prefill)
 MIN_ROUTE_BATCH = 16  # the fewest sequences a smaller engine of a route mix admits
-ROUTE_BATCH_SHARES = (1 / 2, 3 / 8, 1 / 4, 3 / 16, 1 / 8)  # smaller engines' sizes, of the full engine's
+ROUTE_BATCH_SHARES = tuple(k / 16 for k in range(8, 1, -1))  # smaller engines: 8/16 .. 2/16 of the full engine
 
 
 
