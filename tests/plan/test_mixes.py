@@ -12,7 +12,7 @@ from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DeploymentPlan
 from tessera.plan.mixes import Route, best_rates, fit_together, route_of
 from tessera.plan.planner import compare
-from tessera.plan.policies import MIN_ROUTE_BATCH, ROUTE_BATCH_SHARES, smaller_engines
+from tessera.plan.policies import MIN_ROUTE_BATCH, ROUTE_BATCH_SHARES, prefill_decode_plans, smaller_engines
 from tessera.sim.requests import simulate
 from tessera.workload import parse_workload
 
@@ -128,3 +128,11 @@ def test_smaller_engines_keep_the_placement_and_admit_their_batch(smollm2_mix):
             assert route_of(v).batch == v.admission.max_seqs
             assert all(m <= f for m, f in zip(v.memory_bytes, plan.memory_bytes, strict=True))
     assert smaller_engines(ctx, next(p for p in plans if p.policy == "request-dist"), "throughput") == []
+
+
+def test_every_prefill_decode_orientation_is_offered_and_the_baseline_is_the_best(smollm2_mix):
+    ctx, plans = smollm2_mix
+    both = prefill_decode_plans(ctx, "throughput")
+    assert sorted(p.reason for p in both) == ["prefill on A100, decode on L40S", "prefill on L40S, decode on A100"]
+    baseline = next(p for p in plans if p.policy == "prefill-decode")
+    assert baseline.throughput == max(p.throughput for p in both) and baseline.reason in {p.reason for p in both}

@@ -191,6 +191,11 @@ def split_rows(batch: int, speeds: list[float]) -> list[int]:
 
 def prefill_decode(ctx: PlanContext, objective: str) -> DeploymentPlan:
     """The prompt phases on one target, the repeated phase on another; state copied per request."""
+    return _best(prefill_decode_plans(ctx, objective), objective)
+
+
+def prefill_decode_plans(ctx: PlanContext, objective: str) -> list[DeploymentPlan]:
+    """Prefill-decode in every orientation (prompt target, decode target) and replica count."""
     plans = []
     for r in ctx.replica_counts():
         rctx = _replica(ctx, r)
@@ -206,7 +211,7 @@ def prefill_decode(ctx: PlanContext, objective: str) -> DeploymentPlan:
                 chosen.append((ph, m, ((b if ph is main else a),) * k, {"method": "fixed"}))
             plans.append(rctx.assemble_admitted("prefill-decode", targets, r, chosen, objective,
                                                 reason=f"prefill on {targets[a].name}, decode on {targets[b].name}"))
-    return _best(plans, objective)
+    return plans
 
 
 def _restricted(problem: PlacementProblem, allowed: np.ndarray) -> PlacementProblem:
@@ -551,6 +556,10 @@ def _route_mix(ctx: PlanContext, objective: str, plans: list[DeploymentPlan]) ->
         return None  # a fixed batch is the deployment's: two engines would hold twice as many sequences
     prices = {t.name: t.price(ctx.price_scenario) for t in cluster_targets(ctx.cluster, 1)}
     candidates = [p for p in plans if p.applicable and p.feasible and "tie_with" not in p.extra]
+    if applicability(ctx, "prefill-decode") is None:  # every orientation: the weaker one may fill the other's
+        seen = {(p.policy, p.reason) for p in candidates}  # spare time
+        candidates += [p for p in prefill_decode_plans(ctx, objective)
+                       if p.feasible and (p.policy, p.reason) not in seen]
     candidates += [v for p in candidates for v in smaller_engines(ctx, p, objective)]
     requests = None if isinstance(ctx.workload, PoissonWorkload) else getattr(ctx.workload, "requests", None)
     return best_mix(candidates, ctx.outputs_per_request, prices, objective, ctx.price_scenario, requests)
