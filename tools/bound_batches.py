@@ -34,7 +34,7 @@ def main() -> None:
     for b in range(1, ub.batch + 1):
         child = ctx.for_batch(b)
         mode = bound.phase_costs(child, child.main_phase, singles, counts, names, cache)
-        t = bound.fractional_request_time([*others, [mode]], counts).request_time_s
+        t = bound.fractional_request_time([*others, [mode]], counts, bound.outbound_bandwidth(ctx, names)).request_time_s
         share = ctx.outputs_per_request / t / ub.throughput
         worst = max(worst, (share, b))
         if share > 1 + 1e-9:
