@@ -10,7 +10,7 @@ from tessera.hardware.cluster import parse_cluster
 from tessera.plan.admission import round_batch
 from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DeploymentPlan
-from tessera.plan.mixes import Route, best_rates, fit_together, route_of
+from tessera.plan.mixes import Route, best_rates, fill_rates, fit_together, route_of
 from tessera.plan.planner import compare
 from tessera.plan.policies import MIN_ROUTE_BATCH, ROUTE_BATCH_SHARES, prefill_decode_plans, smaller_engines
 from tessera.sim.requests import simulate
@@ -41,6 +41,19 @@ def test_the_lp_fills_the_shared_device_by_hand():
     assert best_rates([pd, alone], requests=100) == pytest.approx([1.0, 1.5])
     alone.batch = 95  # 10 + 95 > 100: no split fills both
     assert best_rates([pd, alone], requests=100).sum() == 0
+
+
+def test_a_route_fed_by_another_lane_must_be_fed_fast_enough_to_fill_its_batch():
+    # prefill-decode whose decode lane runs 10 rows per 0.05 s step, 100 steps a request: a request dwells
+    # 5 s, so 10 in flight need 2 requests/s (Little's law); the L-alone route admits from its own queue
+    pd = Route(_plan(["A", "L"], [0, 0], [0, 0], {}, [1, 1]), {"A": 0.5, "L": 0.1}, {}, 4.0, 10, True, 100.0, 0.05)
+    alone = Route(_plan(["L"], [0], [0], {}, [1]), {"L": 0.6}, {}, 1 / 0.6, 4)
+    assert fill_rates([pd, alone]) == pytest.approx([2.0, 0.0])
+    # alone the L route would take L's whole time; the mix must still feed the decode lane 2 requests/s:
+    # rate_pd = 2 at least, A has room for exactly 2, L's rest (1 - 0.2) / 0.6 goes to the L route
+    assert best_rates([pd, alone]) == pytest.approx([2.0, 0.8 / 0.6])
+    pd.cycle_s = 0.01  # a dwell of 1 s needs 10 requests/s, more than the route's own 4: never mixed
+    assert best_rates([pd, alone]).tolist() == [0.0, 0.0]
 
 
 def test_routes_share_weights_once_and_must_fit_their_state():
@@ -126,6 +139,8 @@ def test_smaller_engines_keep_the_placement_and_admit_their_batch(smollm2_mix):
             # a smaller engine costs more per request: weights and launches amortised over fewer rows
             assert v.throughput < plan.throughput
             assert route_of(v).batch == v.admission.max_seqs
+            # prefill on one device feeds decode on the other: a route whose batch its arrivals must fill
+            assert route_of(v).fed == (plan.policy == "prefill-decode")
             assert all(m <= f for m, f in zip(v.memory_bytes, plan.memory_bytes, strict=True))
     assert smaller_engines(ctx, next(p for p in plans if p.policy == "request-dist"), "throughput") == []
 

@@ -9,13 +9,16 @@ routes' steps on one device take turns and never overlap) and each directed link
 state moves. The mix sends ``rate_r`` requests per second to route r, as large as the devices allow:
 
     maximise sum_r rate_r   s.t.   sum_r rate_r x occupancy_r[d] <= 1 on every device and link,
-                                   rate_r <= 1 / request time of r alone
+                                   fill_r <= rate_r <= 1 / request time of r alone
                                    rate_r / sum of rates x requests >= batch_r   (a finite workload)
 
 a small LP (HiGHS). Memory: the routes sharing a device hold their weights there once (when one route's
 weights on it are a subset of the other's) and each its own state, and the sum must fit; routes that do
 not fit together are not mixed. A finite workload must fill every route's engine (each route's share of the
-requests at least the sequences it admits), or the route never runs the batch its costs assume.
+requests at least the sequences it admits), or the route never runs the batch its costs assume; and a route
+whose repeated phase another lane feeds (prefill on one device, decode on another) must be fed fast enough to
+keep that batch full (``fill_r``, Little's law: :func:`fill_rates`), or its decode steps run at the rows that
+have arrived and take more of the shared device than its full batch would.
 Throughput is outputs per request x sum_r rate_r.
 """
 
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 import highspy
 import numpy as np
 
-from tessera.plan.deployment import DeploymentPlan
+from tessera.plan.deployment import DeploymentPlan, lanes
 
 
 @dataclass
@@ -39,6 +42,9 @@ class Route:
     links: dict[tuple[str, str], float] = field(default_factory=dict)  # (src, dst) -> seconds per request
     max_rate: float = 0.0  # requests/s of the route alone
     batch: int = 1  # sequences its engine admits (the repeated phase's rows)
+    fed: bool = False  # its repeated phase has a lane of its own, fed by another lane (prefill elsewhere)
+    repeats: float = 0.0  # steps of the repeated phase per request
+    cycle_s: float = 0.0  # the repeated phase's cycle at ``batch``
 
     @property
     def name(self) -> str:
@@ -66,7 +72,23 @@ def route_of(plan: DeploymentPlan, objective: str = "throughput") -> Route | Non
         key = (plan.targets[mv.src], plan.targets[mv.dst])
         links[key] = links.get(key, 0.0) + mv.seconds_per_request
     batch = plan.admission.max_seqs if plan.admission else max(s.batch for s in steps)
-    return Route(plan, occupancy, links, 1.0 / plan.request_time_s, batch)
+    main = max(steps, key=lambda s: s.repeats)
+    lane = next(ln for ln in lanes(steps) if any(s is main for s in ln))
+    return Route(plan, occupancy, links, 1.0 / plan.request_time_s, batch, len(lane) == 1 and len(steps) > 1,
+                 main.repeats, main.cycle_s)
+
+
+def fill_rates(routes: list[Route]) -> np.ndarray:
+    """Per route, the requests/s that keep its repeated phase's batch full where a lane of its own runs it
+    (prefill on another device feeding decode). By Little's law ``batch`` in flight need ``batch / dwell``
+    arrivals per second; a request dwells ``repeats`` steps of the phase's cycle when its steps run back to
+    back, as they do once the routes sharing its device have drained their share of a finite workload (the
+    turns they take before that lengthen the dwell, but do not last). Fed more slowly, the engine's steps run
+    at the rows that have arrived, at a higher cost per request than its full batch's. 0 where the repeated
+    phase shares its lane with the prompt phases: such an engine admits from its own queue, which keeps its
+    batch full while requests wait."""
+    return np.array([r.batch / (r.repeats * r.cycle_s) if r.fed and r.repeats * r.cycle_s > 0 else 0.0
+                     for r in routes])
 
 
 def device_memory(routes: list[Route], name: str) -> tuple[float, float]:
@@ -112,7 +134,11 @@ def best_rates(routes: list[Route], requests: int | None = None) -> np.ndarray:
     n = len(routes)
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
-    h.addVars(n, np.zeros(n), np.array([r.max_rate for r in routes]))
+    lower = fill_rates(routes)
+    upper = np.array([r.max_rate for r in routes])
+    if (lower > upper * (1 + 1e-9)).any():  # a route that cannot keep its own batch full
+        return np.zeros(n)
+    h.addVars(n, np.minimum(lower, upper), upper)
     h.changeColsCost(n, np.arange(n, dtype=np.int32), -np.ones(n))
     rows = [[r.occupancy.get(d, 0.0) for r in routes] for d in devices] + \
         [[r.links.get(k, 0.0) for r in routes] for k in links]
