@@ -317,15 +317,13 @@ def upper_bound(ctx: PlanContext) -> ThroughputBound:
     lp = fractional_request_time(phases, counts, outbound_bandwidth(ctx, names))
     t_req, loads = lp.request_time_s, lp.loads
     shares = lp.mode_share[ctx.phases.index(ctx.main_phase)]
-    top = max(loads / np.array(counts))
     bound = ThroughputBound(
         throughput=ctx.outputs_per_request / t_req if t_req > 0 else float("inf"), unit=ctx.unit,
         request_time_s=t_req, batch=batch, batch_limited_by=why, candidates=candidates,
         batch_share={m.batch: float(s) for m, s in zip(repeated, shares, strict=True) if s > 1e-9},
         work_share=_shares(names, sum(lp.work.values())),
         phase_share={phase: _shares(names, w) for phase, w in lp.work.items()},
-        compute_types=tuple(n for n, v, c in zip(names, loads, counts, strict=True)
-                            if v / c >= t_req * (1 - 1e-6) and v / c >= top * (1 - 1e-6)),
+        compute_types=tuple(n for n, v, c in zip(names, loads, counts, strict=True) if v / c >= t_req * (1 - 1e-6)),
         seconds=time.perf_counter() - t0, memory=memory,
         link_types=tuple(n for n, v in zip(names, lp.link_s, strict=True) if t_req > 0 and v >= t_req * (1 - 1e-6)),
         link_share={n: float(v) / t_req for n, v in zip(names, lp.link_s, strict=True) if t_req > 0 and v > 0})
