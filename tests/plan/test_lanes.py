@@ -3,6 +3,8 @@ workload's representative prompt lengths."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -74,8 +76,7 @@ def test_an_offline_prompt_phase_costs_the_mean_over_representative_prompt_lengt
     plan = plan_policy(ctx, "homogeneous")
     model = CostModel(resolve_device("A100"))
     prefill = ctx.phases[0]
-    at_lengths = [model.step_time(ctx.graph(prefill.__class__(**{**prefill.__dict__, "seq": n, "ctx": n})))
-                  for n in want]
+    at_lengths = [model.step_time(ctx.graph(replace(prefill, seq=n, ctx=n))) for n in want]
     assert plan.step("prefill").cycle_s == pytest.approx(float(np.mean(at_lengths)))
     at_mean = model.step_time(ctx.graph(prefill))
     assert plan.step("prefill").cycle_s > at_mean  # the mean time exceeds the time at the mean prompt
