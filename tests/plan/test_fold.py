@@ -18,12 +18,13 @@ from tessera.plan.targets import cluster_targets
 
 def test_a_pipeline_streams_at_its_busiest_stage():
     # 0 -> 1 on a, 2 -> 3 on b, 1 s each, free transfers, 2 micro-batches: one micro-batch takes 4 s; run whole
-    # (a: mb 0, 1 at 0-4; b at 2-6) 6 s; streamed, each device holds a micro-batch 2 s: 4 s per step
+    # (a: mb 0, 1 at 0-4; b at 2-6) 6 s; streamed with the next steps (a micro-batch's next step waits for its
+    # step): 4 s per step
     times = np.ones((4, 2))
     free = np.full((2, 2), np.inf)
     p = PlacementProblem(["a", "b"], times, [(0, 1, 1.0), (1, 2, 1.0), (2, 3, 1.0)], free, np.zeros((2, 2)),
                          micro_batches=2, messages=[1.0, 1.0, 1.0])
-    assert schedule(p, (0, 0, 1, 1)) == Schedule(4.0, (2.0, 2.0), 6.0)
+    assert schedule(p, (0, 0, 1, 1)) == Schedule(4.0, 4.0, 6.0)
     assert evaluate(p, (0, 0, 1, 1)).cycle_s == 4.0
 
 
@@ -47,7 +48,7 @@ def test_evaluate_by_hand():
     # 7-9 and 9-11. Streamed, a would hold micro-batch 0 from 0 to 9 before taking micro-batch 1: 2 x 9.
     assert ev.cycle_s == pytest.approx(11.0) and ev.cycle_s > max(6.0, 2 * link_ab, 2 * link_ba, path)
     assert ev.cut_edges == 2 and ev.cut_bytes == 2 * 30.0
-    assert schedule(p, (0, 1, 0)) == Schedule(9.0, (9.0, 1.0), 11.0)
+    assert schedule(p, (0, 1, 0)) == Schedule(9.0, 18.0, 11.0)
     assert ev.resident_bytes == (5.0, 7.0) and not ev.memory_ok  # item 1 (7 B) exceeds b's 6 B
     # a cut loop edge loads its link and lengthens the critical path by its transfer
     ev2 = evaluate(p, (0, 0, 1))

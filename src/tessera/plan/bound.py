@@ -342,6 +342,7 @@ class _Columns:
     def __init__(self) -> None:
         self.n = 0
         self.rows: list[tuple[np.ndarray, np.ndarray, float, float]] = []
+        self.blocks: list[tuple[np.ndarray, np.ndarray, float, float]] = []
 
     def new(self, count: int) -> np.ndarray:
         out = np.arange(self.n, self.n + count)
@@ -350,6 +351,11 @@ class _Columns:
 
     def row(self, cols, coefs, lower: float, upper: float) -> None:
         self.rows.append((np.asarray(cols, dtype=np.int32), np.asarray(coefs, dtype=float), lower, upper))
+
+    def block(self, cols: np.ndarray, coefs: np.ndarray, lower: float, upper: float) -> None:
+        """Rows of one shape at once: ``cols`` [R, W] (-1: no entry; no column twice in a row), ``coefs``
+        [R, W], each row between ``lower`` and ``upper``."""
+        self.blocks.append((np.asarray(cols, dtype=np.int64), np.asarray(coefs, dtype=float), lower, upper))
 
 
 def _place(lp: _Columns, cost: np.ndarray, weight: float, load: list[list[tuple[np.ndarray, np.ndarray]]],
@@ -382,13 +388,11 @@ def _transfers(lp: _Columns, cols: np.ndarray, mode: PhaseCosts, weight: float, 
     if not keep:
         return
     edges = mode.edges[keep]
+    ones = np.ones(len(edges))
     for a in range(cols.shape[1]):
         f = lp.new(len(edges))
         cu, cv = cols[edges[:, 0].astype(int), a], cols[edges[:, 1].astype(int), a]
-        for e in range(len(edges)):
-            terms = [(int(f[e]), 1.0)] + ([(int(cu[e]), -1.0)] if cu[e] >= 0 else []) + \
-                ([(int(cv[e]), 1.0)] if cv[e] >= 0 else [])
-            lp.row([c for c, _ in terms], [x for _, x in terms], 0.0, highspy.kHighsInf)
+        lp.block(np.stack([f, cu, cv], axis=1), np.stack([ones, -ones, ones], axis=1), 0.0, highspy.kHighsInf)
         links[a].append((f, weight * edges[:, 2] / out_bandwidth[a], cu, cv))
 
 
@@ -470,6 +474,13 @@ def _run(lp: _Columns, t_col: int) -> np.ndarray:
         starts.append(starts[-1] + int(keep.sum()))
         lower.append(lo)
         upper.append(up)
+    for cols, coefs, lo, up in lp.blocks:
+        keep = (cols >= 0) & (coefs != 0)
+        index.append(cols[keep])
+        value.append(coefs[keep])
+        starts.extend((starts[-1] + np.cumsum(keep.sum(axis=1))).tolist())
+        lower.extend([lo] * len(cols))
+        upper.extend([up] * len(cols))
     h.addRows(len(lower), np.array(lower), np.array(upper), starts[-1], np.array(starts[:-1], dtype=np.int32),
               np.concatenate(index).astype(np.int32), np.concatenate(value))
     h.run()

@@ -45,15 +45,14 @@ def evaluate(problem: PlacementProblem, assignment: tuple[int, ...] | list[int])
     busy = busy_times(problem, one)[0] * m
     link = link_loads(problem, one)[0] * m
     loops = sum(problem.transfer_time(nbytes, a[src], a[dst], count) for src, dst, nbytes, count in problem.loop_edges)
-    sched = schedule(problem, a)
+    sched = schedule(problem, a, loops)
     # one device runs its kernels one after another: a micro-batch also waits for the busiest device
     cp = float(max(critical_paths(problem, one)[0], busy.max(initial=0.0) / m + loops, sched.one_s + loops))
     cut = [(src, dst, nbytes) for src, dst, nbytes in problem.edges if a[src] != a[dst]]
     cut += [(src, dst, nbytes) for src, dst, nbytes, _ in problem.loop_edges if a[src] != a[dst]]
     resident = memory_use(problem, one)[0]
-    # M micro-batches run either as one step in segment order, or streamed: each device takes one micro-batch
-    # at a time, busy from its first kernel to its last (waits between them included); the better of the two
-    streamed = max(cp, m * max(sched.span_s, default=0.0))
+    # M micro-batches run either as one step in segment order, or streamed with the next steps: the better
+    streamed = max(cp, sched.stream_s)
     together = sched.all_s + loops
     cycle = float(max(busy.max(initial=0.0), link.max(initial=0.0), min(streamed, together)))
     return StepEvaluation(cycle, cp, tuple(busy.tolist()), tuple(tuple(r) for r in link.tolist()), len(cut),
@@ -64,18 +63,23 @@ def evaluate(problem: PlacementProblem, assignment: tuple[int, ...] | list[int])
 @dataclass(frozen=True)
 class Schedule:
     """A step as the runtime runs it (each device's kernels one after another, a kernel starting once its
-    device is free and its inputs arrived): ``one_s`` for one micro-batch, with each device's ``span_s``
-    from its first kernel's start to its last kernel's end; ``all_s`` for M micro-batches in the
-    runtime's step order (segment by segment, each for micro-batches 0..M-1)."""
+    device is free and its inputs arrived): ``one_s`` for one micro-batch; ``all_s`` for M micro-batches
+    in the runtime's step order (segment by segment, each for micro-batches 0..M-1); ``stream_s`` per step
+    when steps stream back to back as the runtime streams them (every device takes jobs, one micro-batch of
+    one step each, first come first served; a micro-batch's next step is ready once its step finished on
+    every device, plus ``loops_s`` for the transfers of cut loop edges), once the pipeline is full."""
 
     one_s: float
-    span_s: tuple[float, ...]
+    stream_s: float
     all_s: float
 
 
-def _list_schedule(problem: PlacementProblem, a: list[int], m: int) -> tuple[list[float], list[float], list[float]]:
-    """(finish per kernel of the last micro-batch, first start per device, last finish per device)."""
-    d_count = len(problem.devices)
+STREAM_STEPS = 4  # steps streamed to measure the steady-state period (plans and the simulator)
+
+
+def _segments(problem: PlacementProblem, a: list[int]) -> tuple[list[list[int]], dict[int, list[tuple[int, float]]]]:
+    """Runs of consecutive kernels on one device, and each kernel's inputs from another device with their
+    transfer seconds."""
     cut: dict[int, list[tuple[int, float]]] = {}
     for (src, dst, nbytes), count in zip(problem.edges, problem.messages, strict=True):
         if a[src] != a[dst]:
@@ -86,10 +90,33 @@ def _list_schedule(problem: PlacementProblem, a: list[int], m: int) -> tuple[lis
             segments[-1].append(k)
         else:
             segments.append([k])
+    return segments, cut
+
+
+def _run_job(segments, cut, a, times: list[float], free: list[float], ready: float) -> float:
+    """List-schedule one micro-batch of one step after what ``free`` (per device, updated) already holds,
+    no kernel starting before ``ready``; when its last kernel finishes."""
+    fin = [0.0] * len(times)
+    end = ready
+    for seg in segments:
+        d = a[seg[0]]
+        t = max(free[d], ready)
+        for k in seg:
+            for src, tt in cut.get(k, ()):
+                t = max(t, fin[src] + tt)
+            t += times[k]
+            fin[k] = t
+        free[d] = t
+        end = max(end, t)
+    return end
+
+
+def _list_schedule(problem: PlacementProblem, a: list[int], m: int) -> float:
+    """M micro-batches run whole, segment by segment (each for micro-batches 0..M-1): the last finish."""
+    segments, cut = _segments(problem, a)
+    times = problem.times[np.arange(problem.kernels), a].tolist()
     finish = [[0.0] * problem.kernels for _ in range(m)]
-    free = [0.0] * d_count
-    first = [float("inf")] * d_count
-    times = problem.times
+    free = [0.0] * len(problem.devices)
     for seg in segments:
         d = a[seg[0]]
         for mb in range(m):
@@ -98,18 +125,31 @@ def _list_schedule(problem: PlacementProblem, a: list[int], m: int) -> tuple[lis
                 start = free[d]  # inputs from this device are ready: it ran their producers earlier
                 for src, t in cut.get(k, ()):
                     start = max(start, fin[src] + t)
-                first[d] = min(first[d], start)
-                fin[k] = start + float(times[k, d])
+                fin[k] = start + times[k]
                 free[d] = fin[k]
-    return finish[-1], first, free
+    return max(free, default=0.0)
 
 
-def schedule(problem: PlacementProblem, assignment) -> Schedule:
+def _stream_period(problem: PlacementProblem, a: list[int], m: int, loops_s: float, steps: int = STREAM_STEPS) -> float:
+    """Seconds per step of ``steps`` steps streamed (see :class:`Schedule`) once the first has finished."""
+    segments, cut = _segments(problem, a)
+    times = problem.times[np.arange(problem.kernels), a].tolist()
+    free = [0.0] * len(problem.devices)
+    ready = [0.0] * m
+    done = []
+    for _ in range(steps):
+        for mb in range(m):  # first come first served: micro-batch mb's next step is ready after the others'
+            ready[mb] = _run_job(segments, cut, a, times, free, ready[mb]) + loops_s
+        done.append(max(ready) - loops_s)
+    return (done[-1] - done[0]) / (steps - 1) if steps > 1 else done[0]
+
+
+def schedule(problem: PlacementProblem, assignment, loops_s: float = 0.0) -> Schedule:
     """The step of ``assignment`` list-scheduled as the runtime runs it (see :class:`Schedule`)."""
     a = [int(x) for x in assignment]
-    finish, first, last = _list_schedule(problem, a, 1)
-    spans = tuple(last[d] - first[d] if first[d] < float("inf") else 0.0 for d in range(len(problem.devices)))
-    one = max(finish, default=0.0)
+    segments, cut = _segments(problem, a)
+    times = problem.times[np.arange(problem.kernels), a].tolist()
+    one = _run_job(segments, cut, a, times, [0.0] * len(problem.devices), 0.0)
     m = problem.micro_batches
-    all_s = one if m == 1 else max(_list_schedule(problem, a, m)[2], default=0.0)
-    return Schedule(one, spans, all_s)
+    all_s = one if m == 1 else _list_schedule(problem, a, m)
+    return Schedule(one, _stream_period(problem, a, m, loops_s), all_s)

@@ -27,11 +27,10 @@ from tessera.hardware.cluster import Link
 from tessera.plan.build import transfer_assignment
 from tessera.plan.context import PhaseSpec, PlanContext
 from tessera.plan.deployment import StepPlan
+from tessera.plan.step_evaluation import STREAM_STEPS
 from tessera.plan.targets import Target, link_between
 from tessera.program.program import PlacementError, StepPrograms, build_programs
 from tessera.sim.programs import simulate_programs, simulate_stream
-
-STREAM_STEPS = 4  # steps streamed to measure the steady-state period
 
 
 class StepTimingError(TesseraError):
