@@ -136,9 +136,10 @@ class StepTimer:
     def interpolated(self, phase: str, rows: int, seq: int | None = None, ctx: int | None = None,
                      min_seq: int = 1) -> StepTime:
         """The step at any shape, as an engine runs it without padding: multilinear between the shapes of
-        the power-of-two grid around it (rows, prompt, context; a prefill's cache follows its prompt), each
-        traced and timed once. Kernel times are linear in rows and tokens between grid points up to tile
-        and wave effects, and the quadratic part of prefill attention makes the estimate slightly high."""
+        the grid around it (powers of two and their midpoints, in rows, prompt and context; a prefill's cache
+        follows its prompt), each traced and timed once. Kernel times are linear in rows and tokens between
+        grid points up to tile and wave effects, and the quadratic part of prefill attention makes the
+        estimate slightly high."""
         dims = [_bracket(rows, 1), _bracket(seq, min_seq), None if phase == "prefill" else _bracket(ctx, 1)]
         corners = [((r, 1.0),) if r is None else r for r in dims]
         first = period = 0.0
@@ -179,13 +180,29 @@ class StepTimer:
         return self._cache[key]
 
 
+def _grid_below(value: int) -> int:
+    """The largest point of the interpolation grid (powers of two and their midpoints 3 x 2^k) at most
+    ``value`` (>= 1)."""
+    p = 1 << (value.bit_length() - 1)
+    return p + p // 2 if p >= 2 and p + p // 2 <= value else p
+
+
+def _grid_above(value: int) -> int:
+    """The smallest grid point at least ``value`` (>= 1)."""
+    p = 1 << (value - 1).bit_length()
+    return 3 * p // 4 if p >= 4 and 3 * p // 4 >= value else p
+
+
 def _bracket(value: int | None, lowest: int) -> tuple[tuple[int | None, float], ...]:
-    """The power-of-two grid points around ``value`` (at least ``lowest``) with their linear weights."""
+    """The grid points (powers of two and their midpoints) around ``value`` (at least ``lowest``) with
+    their linear weights: kernel times bend between powers of two (tiles, waves, expert counts), so the
+    midpoints keep the linear estimate within a few percent."""
     if value is None:
         return ((None, 1.0),)
-    lo = max(lowest, 1 << (max(int(value), 1).bit_length() - 1))
+    value = int(value)
+    lo = max(lowest, _grid_below(max(value, 1)))
     if lo >= value:
-        return ((int(value), 1.0),)
-    hi = 1 << (int(value) - 1).bit_length()  # the smallest power of two >= value
+        return ((value, 1.0),)
+    hi = _grid_above(value)
     t = (value - lo) / (hi - lo)
     return ((lo, 1.0 - t), (hi, t))
