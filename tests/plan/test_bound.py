@@ -22,7 +22,7 @@ from tessera.plan.bound import (
 from tessera.plan.config import AdmissionConfig
 from tessera.plan.context import PlanContext
 from tessera.plan.planner import compare
-from tessera.plan.policies import homogeneous, prefill_decode
+from tessera.plan.policies import homogeneous, prefill_decode, request_dist
 from tessera.workload import parse_workload
 
 PAIR = "A100:1,L40S:1"
@@ -53,6 +53,7 @@ CASES = {  # family -> (workload, fixed batch, extra context options)
     "ssm": (TEXT, 8, {}),
     "vlm": ("fixed:in=160,out=16,requests=16", 8, {"image": "112x112"}),  # a small image fits the tiny context
     "diffusion": ("images:steps=2,resolution=64,requests=4", 2, {}),
+    "diffusion-engine": ("images:steps=2,resolution=64,requests=16", None, {}),  # 4 images in every engine
     "llm-admitted": ("fixed:in=64,out=16,requests=512", None, {}),  # no fixed batch: B = max_num_seqs
     # a runtime plan: one copy of the model, the runtime's M and cache context (prefill's state rows follow M)
     "llm-runtime": (TEXT, 8, {"micro_batches": 2, "cache_ctx": 128, "single_replica": True}),
@@ -80,8 +81,8 @@ def test_no_policy_beats_the_bound(tiny_models, case):
     assert all(sum(s.values()) == pytest.approx(1.0) for s in bound.phase_share.values())
     assert set(bound.phase_share) == {ph.phase for ph in ctx.phases}
     assert (bound.compute_types or bound.link_types) and bound.seconds > 0
-    if batch is not None:
-        assert bound.batch == batch and bound.batch_limited_by == "fixed batch"
+    if not ctx.admits:  # a fixed batch: the one asked for, or diffusion's default images per engine
+        assert bound.batch == (batch or 4) and bound.batch_limited_by == "fixed batch"
     else:
         assert bound.batch == ctx.admission.max_num_seqs and bound.batch_limited_by == "max_num_seqs"
         assert bound.candidates == (32, 64, 128, 256)  # down to B / 8: the repeated phase in M = 1..8
@@ -175,3 +176,14 @@ def test_cli_prints_the_bound(tiny_models):
     assert all(r["bound"] == bound for r in rows) and bound > max(r["throughput"] for r in rows)
     base = max(r["throughput"] for r in rows[:-1] if r["feasible"])
     assert rows[-1]["headroom_share"] == pytest.approx((rows[-1]["throughput"] - base) / (bound - base))
+
+
+def test_diffusion_engines_each_hold_the_default_images_and_a_fixed_batch_is_shared(tiny_models):
+    text = "images:steps=2,resolution=64,requests=16"
+    own = PlanContext(tiny_models["diffusion"], parse_cluster(PAIR), parse_workload(text), text)
+    shared = PlanContext(tiny_models["diffusion"], parse_cluster(PAIR), parse_workload(text), text, 4)
+    assert not own.shared_batch and shared.shared_batch
+    rows = {name: [s.batch for s in request_dist(c, "throughput").steps if s.phase == "step"]
+            for name, c in (("own", own), ("shared", shared))}
+    assert rows["own"] == [4, 4]  # each replica its own 4 images, as a homogeneous engine has
+    assert sum(rows["shared"]) == 4 and len(rows["shared"]) == 2  # --max-batch 4: the deployment's, split

@@ -159,6 +159,13 @@ class PlanContext:
         """Sequences (images) in flight in the whole deployment."""
         return self.main_phase.batch
 
+    @property
+    def shared_batch(self) -> bool:
+        """Whether the batch is the deployment's, shared by its replicas (a fixed ``--max-batch``, runtime
+        plans); not where engines admit from memory, nor for diffusion's default images in flight, which
+        every engine has of its own."""
+        return not self.admits and not (self.spec.family == "diffusion" and self.max_batch is None)
+
     def for_batch(self, batch: int) -> PlanContext:
         """The same run with ``batch`` in flight (a replica's share), sharing the caches."""
         if batch == self.batch:

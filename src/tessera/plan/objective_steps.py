@@ -32,7 +32,7 @@ def add_objective_steps(ctx: PlanContext, plan: DeploymentPlan, objective: str) 
     targets = plan_targets(ctx, plan)
     primary = {s.phase: s for s in plan.steps}
     main = max(primary.values(), key=lambda s: s.repeats)
-    per_replica = main.batch if ctx.admits else max(1, ctx.batch // plan.replicas)  # admitted: the engine's own
+    per_replica = max(1, ctx.batch // plan.replicas) if ctx.shared_batch else main.batch  # else the engine's own
     ctx = ctx.for_batch(min(per_replica, LATENCY_BUCKET) if objective == "latency" else per_replica)
     chosen = []
     for ph in ctx.phases:

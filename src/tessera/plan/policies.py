@@ -129,9 +129,12 @@ def homogeneous(ctx: PlanContext, objective: str, device: str | None = None) -> 
 
 def _replica(ctx: PlanContext, replicas: int) -> PlanContext:
     """The context of one of ``replicas`` replicas: the deployment's batch split evenly between them, or,
-    where engines admit from memory, the most one engine may admit (its memory then decides)."""
+    where engines admit from memory, the most one engine may admit (its memory then decides), or, where
+    every engine has its own batch (diffusion's default images in flight), the same context."""
     if ctx.admits:
         return ctx.for_batch(ctx.engine_cap(replicas)[0])
+    if not ctx.shared_batch:
+        return ctx
     return ctx.for_batch(max(1, ctx.batch // replicas))
 
 
@@ -141,7 +144,7 @@ def request_dist(ctx: PlanContext, objective: str) -> DeploymentPlan:
     parts = [homogeneous(ctx, "throughput", rid) for rid in types]
     fitting = [p for p in parts if p.feasible]
     idle = []
-    if len(fitting) > 1 and not ctx.admits:  # a fixed batch is shared: each type gets rows in proportion to speed
+    if len(fitting) > 1 and ctx.shared_batch:  # a fixed batch is shared: each type gets rows in proportion to speed
         shares = split_rows(ctx.batch, [p.throughput for p in fitting])
         rows = {p.device: n for p, n in zip(fitting, shares, strict=True)}
         idle = [p.device for p in fitting if rows[p.device] == 0]
