@@ -15,7 +15,7 @@ SECTIONS = ("offline", "online", "clusters", "network", "two-gpus")
 MODELS = ("llama-3.1-8b", "gpt-oss-20b", "mamba-codestral-7b", "qwen2.5-vl-7b", "sd3.5-medium")
 PAIRS = ("A100+L40S", "H100+RTXPRO6000", "B200+H100")
 LLM_WORKLOAD = None  # each text family's steady-state default (tessera.workload.default_workload)
-IMAGE_WORKLOAD = f"{DEFAULT_IMAGE_WORKLOAD},requests=16"
+IMAGE_WORKLOAD = DEFAULT_IMAGE_WORKLOAD  # 256 images: enough for every engine's steady state
 
 
 class SuiteError(TesseraError, ValueError):
