@@ -77,9 +77,19 @@ class Schedule:
 STREAM_STEPS = 4  # steps streamed to measure the steady-state period (plans and the simulator)
 
 
-def _segments(problem: PlacementProblem, a: list[int]) -> tuple[list[list[int]], dict[int, list[tuple[int, float]]]]:
-    """Runs of consecutive kernels on one device, and each kernel's inputs from another device with their
-    transfer seconds."""
+@dataclass(frozen=True)
+class _Placed:
+    """An assignment as the list schedules walk it: runs of consecutive kernels on one device (segments),
+    each kernel's inputs from another device with their transfer seconds, and each kernel's time."""
+
+    a: list[int]
+    segments: list[list[int]]
+    cut: dict[int, list[tuple[int, float]]]
+    times: list[float]
+    devices: int
+
+
+def _placed(problem: PlacementProblem, a: list[int]) -> _Placed:
     cut: dict[int, list[tuple[int, float]]] = {}
     for (src, dst, nbytes), count in zip(problem.edges, problem.messages, strict=True):
         if a[src] != a[dst]:
@@ -90,66 +100,59 @@ def _segments(problem: PlacementProblem, a: list[int]) -> tuple[list[list[int]],
             segments[-1].append(k)
         else:
             segments.append([k])
-    return segments, cut
+    return _Placed(a, segments, cut, problem.times[np.arange(problem.kernels), a].tolist(), len(problem.devices))
 
 
-def _run_job(segments, cut, a, times: list[float], free: list[float], ready: float) -> float:
+def _run_job(p: _Placed, free: list[float], ready: float) -> float:
     """List-schedule one micro-batch of one step after what ``free`` (per device, updated) already holds,
     no kernel starting before ``ready``; when its last kernel finishes."""
-    fin = [0.0] * len(times)
+    fin = [0.0] * len(p.times)
     end = ready
-    for seg in segments:
-        d = a[seg[0]]
+    for seg in p.segments:
+        d = p.a[seg[0]]
         t = max(free[d], ready)
         for k in seg:
-            for src, tt in cut.get(k, ()):
+            for src, tt in p.cut.get(k, ()):
                 t = max(t, fin[src] + tt)
-            t += times[k]
+            t += p.times[k]
             fin[k] = t
         free[d] = t
         end = max(end, t)
     return end
 
 
-def _list_schedule(problem: PlacementProblem, a: list[int], m: int) -> float:
+def _run_whole(p: _Placed, m: int) -> float:
     """M micro-batches run whole, segment by segment (each for micro-batches 0..M-1): the last finish."""
-    segments, cut = _segments(problem, a)
-    times = problem.times[np.arange(problem.kernels), a].tolist()
-    finish = [[0.0] * problem.kernels for _ in range(m)]
-    free = [0.0] * len(problem.devices)
-    for seg in segments:
-        d = a[seg[0]]
+    finish = [[0.0] * len(p.times) for _ in range(m)]
+    free = [0.0] * p.devices
+    for seg in p.segments:
+        d = p.a[seg[0]]
         for mb in range(m):
             fin = finish[mb]
             for k in seg:
                 start = free[d]  # inputs from this device are ready: it ran their producers earlier
-                for src, t in cut.get(k, ()):
+                for src, t in p.cut.get(k, ()):
                     start = max(start, fin[src] + t)
-                fin[k] = start + times[k]
+                fin[k] = start + p.times[k]
                 free[d] = fin[k]
     return max(free, default=0.0)
 
 
-def _stream_period(problem: PlacementProblem, a: list[int], m: int, loops_s: float, steps: int = STREAM_STEPS) -> float:
+def _stream_period(p: _Placed, m: int, loops_s: float, steps: int = STREAM_STEPS) -> float:
     """Seconds per step of ``steps`` steps streamed (see :class:`Schedule`) once the first has finished."""
-    segments, cut = _segments(problem, a)
-    times = problem.times[np.arange(problem.kernels), a].tolist()
-    free = [0.0] * len(problem.devices)
+    free = [0.0] * p.devices
     ready = [0.0] * m
     done = []
     for _ in range(steps):
         for mb in range(m):  # first come first served: micro-batch mb's next step is ready after the others'
-            ready[mb] = _run_job(segments, cut, a, times, free, ready[mb]) + loops_s
+            ready[mb] = _run_job(p, free, ready[mb]) + loops_s
         done.append(max(ready) - loops_s)
     return (done[-1] - done[0]) / (steps - 1) if steps > 1 else done[0]
 
 
 def schedule(problem: PlacementProblem, assignment, loops_s: float = 0.0) -> Schedule:
     """The step of ``assignment`` list-scheduled as the runtime runs it (see :class:`Schedule`)."""
-    a = [int(x) for x in assignment]
-    segments, cut = _segments(problem, a)
-    times = problem.times[np.arange(problem.kernels), a].tolist()
-    one = _run_job(segments, cut, a, times, [0.0] * len(problem.devices), 0.0)
+    p = _placed(problem, [int(x) for x in assignment])
+    one = _run_job(p, [0.0] * p.devices, 0.0)
     m = problem.micro_batches
-    all_s = one if m == 1 else _list_schedule(problem, a, m)
-    return Schedule(one, _stream_period(problem, a, m, loops_s), all_s)
+    return Schedule(one, _stream_period(p, m, loops_s), one if m == 1 else _run_whole(p, m))
