@@ -28,6 +28,18 @@ def test_a_pipeline_streams_at_its_busiest_stage():
     assert evaluate(p, (0, 0, 1, 1)).cycle_s == 4.0
 
 
+def test_a_device_that_starts_early_and_then_waits_streams_at_its_busy_time():
+    # k0 (1 s) on a; on b, k1 (0.1 s, no inputs) then k2 (1 s, after k0); 2 micro-batches, free transfers.
+    # One micro-batch holds b from 0 to 2 (k1 runs at once, k2 waits for k0), so M x that span is 4 s and
+    # the step run whole takes 3.1 s; streamed with the next steps, a keeps ahead of b and b only waits
+    # in the first step: 2 x 1.1 = 2.2 s per step, b's busy time
+    times = np.array([[1.0, np.inf], [np.inf, 0.1], [np.inf, 1.0]])
+    free = np.full((2, 2), np.inf)
+    p = PlacementProblem(["a", "b"], times, [(0, 2, 1.0)], free, np.zeros((2, 2)), micro_batches=2, messages=[1.0])
+    assert schedule(p, (0, 1, 1)) == Schedule(2.0, pytest.approx(2.2), pytest.approx(3.1))
+    assert evaluate(p, (0, 1, 1)).cycle_s == pytest.approx(2.2)
+
+
 def test_evaluate_by_hand():
     # kernels 0 -> 1 -> 2; 0 and 2 on device a, 1 on device b; 2 micro-batches
     times = np.array([[1.0, 2.0], [3.0, 1.0], [2.0, 2.0]])
