@@ -155,4 +155,6 @@ def schedule(problem: PlacementProblem, assignment, loops_s: float = 0.0) -> Sch
     p = _placed(problem, [int(x) for x in assignment])
     one = _run_job(p, [0.0] * p.devices, 0.0)
     m = problem.micro_batches
-    return Schedule(one, _stream_period(p, m, loops_s), one if m == 1 else _run_whole(p, m))
+    if m == 1:  # each streamed step waits for the one before it: the step alone, then its loop transfers
+        return Schedule(one, one + loops_s, one)
+    return Schedule(one, _stream_period(p, m, loops_s), _run_whole(p, m))
