@@ -25,7 +25,7 @@ Throughput is outputs per request x sum_r rate_r.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import highspy
 import numpy as np
@@ -157,35 +157,68 @@ def best_rates(routes: list[Route], requests: int | None = None) -> np.ndarray:
     return np.clip(np.array(h.getSolution().col_value[:n], dtype=float), 0.0, None)
 
 
+def one_engine(a: Route, b: Route, objective: str = "throughput") -> list[Route] | None:
+    """The two routes as one engine, [fed, local], when ``a`` and ``b`` (in either order) are prefill on one
+    device with decode on another (``fed``) and the decode device alone (``local``), with the same decode
+    step at the same admission: that engine decodes every request and prefills some itself while the other
+    device prefills the rest. Its decode batch is one (state held once) and it keeps it full from its own
+    queue, so neither route needs a fill rate of its own; None when the pair is not of that shape."""
+    for fed, local in ((a, b), (b, a)):
+        if not fed.fed or local.fed or local.plan.policy != "homogeneous" or len(local.occupancy) != 1:
+            continue
+        fed_main, local_main = (max((s for s in r.plan.steps if s.objective == objective), key=lambda s: s.repeats)
+                                for r in (fed, local))
+        decode_on = {fed.plan.targets[t] for t in fed_main.used_targets}
+        if (decode_on != set(local.occupancy) or fed_main.graph_hash != local_main.graph_hash
+                or fed_main.micro_batches != local_main.micro_batches or fed.batch != local.batch):
+            continue
+        return [replace(fed, fed=False), replace(local, fed=False)]
+    return None
+
+
 def best_mix(plans: list[DeploymentPlan], outputs_per_request: float, prices: dict[str, float],
              objective: str = "throughput", price_scenario: str = "relative",
              requests: int | None = None) -> DeploymentPlan | None:
-    """The best mix of two routes among single-engine ``plans`` (None when no pair beats its better route);
+    """The best mix of two routes among single-engine ``plans`` (None when no pair beats its better route):
+    two engines sharing the cluster, or one engine whose decode device also prefills (:func:`one_engine`);
     ``prices``: each cluster target's price per hour; ``requests``: a finite workload's count, which must
     fill both routes' engines."""
     routes = [r for r in (route_of(p, objective) for p in plans) if r is not None]
     best, best_rate = None, 0.0
     for pair in itertools.combinations(routes, 2):
-        pair = list(pair)
-        if not fit_together(pair):
-            continue
-        rates = best_rates(pair, requests)
-        total = float(rates.sum())
-        alone = max(r.max_rate for r in pair)
-        if total > alone * (1 + 1e-6) and rates.min() > 0 and total > best_rate:
-            best, best_rate = (pair, rates), total
+        forms = [(list(pair), requests, False)] if fit_together(list(pair)) else []
+        joined = one_engine(*pair, objective)
+        if joined is not None:  # one engine: a finite workload that fills it fills both routes
+            forms.append((joined, None, True))
+        for routes_, count, shared in forms:
+            rates = best_rates(routes_, count)
+            total = float(rates.sum())
+            alone = max(r.max_rate for r in routes_)
+            if total > alone * (1 + 1e-6) and rates.min() > 0 and total > best_rate:
+                best, best_rate = (routes_, rates, shared), total
     if best is None:
         return None
-    return _mix_plan(*best, outputs_per_request, prices, objective, price_scenario)
+    routes_, rates, shared = best
+    return _mix_plan(routes_, rates, outputs_per_request, prices, objective, price_scenario, shared)
+
+
+def one_engine_memory(routes: list[Route], name: str) -> tuple[float, float]:
+    """(bytes needed, capacity) of cluster target ``name`` under routes that are one engine: the same weights
+    and the same sequences' state, so the largest of the routes' needs there."""
+    at = [(r.plan, r.plan.targets.index(name)) for r in routes if name in r.plan.targets]
+    held = [(plan.memory_bytes[i], plan.memory_capacity[i]) for plan, i in at]
+    return max(b for b, _ in held), min(c for _, c in held)
 
 
 def _mix_plan(routes: list[Route], rates: np.ndarray, outputs: float, prices: dict[str, float], objective: str,
-              price_scenario: str) -> DeploymentPlan:
-    """The deployment plan of a mix: both routes' step plans (tagged with their route), memory per device."""
+              price_scenario: str, shared: bool = False) -> DeploymentPlan:
+    """The deployment plan of a mix: both routes' step plans (tagged with their route), memory per device;
+    ``shared``: the routes are one engine (each route's ``engine`` is 0; else its own index)."""
     first = routes[0].plan
     held = {t for r in routes for t in r.plan.targets}
     names = [t for t in prices if t in held] + sorted(held - set(prices))  # the cluster's order
-    memory, capacity = (list(x) for x in zip(*(device_memory(routes, name) for name in names), strict=True))
+    memory_of = one_engine_memory if shared else device_memory
+    memory, capacity = (list(x) for x in zip(*(memory_of(routes, name) for name in names), strict=True))
     total = float(rates.sum())
     shares = rates / total
     plan = DeploymentPlan(
@@ -194,8 +227,8 @@ def _mix_plan(routes: list[Route], rates: np.ndarray, outputs: float, prices: di
         throughput=total * outputs, price_scenario=price_scenario,
         latency_s=max(r.plan.latency_s for r in routes), ttft_s=max(r.plan.ttft_s for r in routes),
         request_time_s=1.0 / total, bottleneck=_bottleneck(routes, rates),
-        reason="route mix: " + ", ".join(f"{s:.0%} of requests {_describe(r)}" for r, s in
-                                         zip(routes, shares, strict=True)))
+        reason=("one engine: " if shared else "route mix: ") + ", ".join(
+            f"{s:.0%} of requests {_describe(r)}" for r, s in zip(routes, shares, strict=True)))
     used = {t for r in routes for s in r.plan.steps if s.objective == objective
             for t in (r.plan.targets[i] for i in set(s.assignment))}
     plan.cost_per_hour = sum(prices[t] for t in used)
@@ -205,7 +238,7 @@ def _mix_plan(routes: list[Route], rates: np.ndarray, outputs: float, prices: di
             plan.steps.append(type(s)(**{**s.__dict__, "solver": dict(s.solver, route_of=k, target_map=[
                 offset[i] for i in range(len(r.plan.targets))])}))
     plan.extra["routes"] = [dict(r.plan.summary(), rate=float(rates[k]), share=float(shares[k]),
-                                 route=_describe(r), throughput=float(rates[k]) * outputs,
+                                 route=_describe(r), throughput=float(rates[k]) * outputs, engine=0 if shared else k,
                                  residency=r.plan.residency, state_moves=[m.__dict__ for m in r.plan.state_moves])
                             for k, r in enumerate(routes)]
     return plan

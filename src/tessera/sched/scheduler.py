@@ -280,12 +280,13 @@ class Scheduler:
         """Requests not finished yet (waiting or running)."""
         return len(self.waiting) + len(self.running)
 
-    def next_step(self, now: float, phases: set[str] | None = None, max_rows: int | None = None
-                  ) -> ScheduledStep | None:
+    def next_step(self, now: float, phases: set[str] | None = None, max_rows: int | None = None,
+                  admit: bool = True) -> ScheduledStep | None:
         """The step to run now among ``phases`` (all when None), or None when nothing is ready. ``max_rows``
         caps the requests in flight and the rows of a batched step (a latency plan's low-load bucket). With
         a KV budget, the rows of a batched step get their next token's block first (preempting when none
-        is free, see the module docstring)."""
+        is free, see the module docstring). ``admit``: whether the step may admit a waiting request (a lane
+        that decodes and prefills some of the prompts leaves the others to the engine's prefill lanes)."""
         allowed = set(self.phases) if phases is None else phases
         cap = min(max_rows or self.slots, self.buckets.batch[-1])
         order = [i for i, s in enumerate(self.stages) if not s.batched] + \
@@ -304,8 +305,8 @@ class Scheduler:
                     ctx = self.buckets.context(longest) if self.buckets.ctx else None
                     return self._handed(ScheduledStep(stage.phase, rows, self.buckets.rows(len(rows)), None, ctx))
                 continue
-            ready = [r for r in self.running if r.stage == i and r.ready_s <= now]
-            if (not ready and i == 0 and self.waiting and self._free and self.waiting[0].arrival_s <= now
+            ready = [r for r in self.running if r.stage == i and r.ready_s <= now and not r.in_step]
+            if (not ready and admit and i == 0 and self.waiting and self._free and self.waiting[0].arrival_s <= now
                     and len(self.running) < cap and self._fits(self.waiting[0])):
                 req = self.waiting.popleft()
                 req.slot = self._free.pop()

@@ -16,6 +16,7 @@ work for its speed.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,10 @@ class Lane:
 
     phases: set[str]
     devices: frozenset[str] = frozenset()  # cluster targets it shares with other engines' lanes (route mixes)
+    timer: StepTimer | None = None  # its own step plans' timer (one engine of two routes), else the engine's
+    delays: dict[str, float] | None = None  # the state moves after its steps, else the engine's
+    share: float | None = None  # the most of its engine's prompts it prefills (a lane that also decodes)
+    prompts: int = 0  # prompt steps it ran
     busy_until: float = 0.0
     step: ScheduledStep | None = None
     start_s: float = 0.0
@@ -141,6 +146,8 @@ def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throug
             admission = EngineAdmission(**part["admission"]) if part.get("admission") else None
             parts.append((part["device"], part["replicas"], targets, steps, part["throughput"] / part["replicas"],
                           admission, plan.state_moves, False))
+    elif routes and any(r.get("engine", k) != k for k, r in enumerate(routes)):  # routes that are one engine
+        return [_one_engine(ctx, plan, objective, routes, max_context, feedback_s, min_prompt, link, engine_shapes)]
     elif routes:  # a route mix: engines of their own placements sharing the cluster's devices
         for k, route in enumerate(routes):
             steps = [s for s in plan.steps if s.objective == objective and s.solver.get("route_of") == k]
@@ -155,32 +162,89 @@ def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throug
         targets = _match_targets(ctx, plan.targets, plan.replicas, types)
         parts.append((plan.policy, plan.replicas, targets, steps, plan.throughput / max(plan.replicas, 1),
                       plan.admission, plan.state_moves, False))
-    family = ctx.spec.family
-    denoise = ctx.workload.steps if isinstance(ctx.workload, ImagesWorkload) else 28
-    if family == "vlm":  # a prompt holds the image's tokens: no prompt bucket may be shorter
-        prefill = next(p for p in ctx.phases if p.phase == "prefill")
-        meta = ctx.graph(prefill).meta
-        min_prompt = max(min_prompt, int(meta["image_start"]) + int(meta["image_tokens"]))
+    min_prompt = _min_prompt(ctx, min_prompt)
     engines = []
     for name, count, targets, steps, speed, admission, moves, shared in parts:
         if not steps:
             raise SimulationSetupError(f"the {plan.policy} plan has no {objective} step plans")
         timer = _timer(ctx, steps, targets, feedback_s, link)
         main = max(steps, key=lambda s: s.repeats)
-        slots, kv = _admission(plan, name, admission, family, main.batch)
+        slots, kv = _admission(plan, name, admission, ctx.spec.family, main.batch)
         for r in range(count):
-            context = None if family == "diffusion" else max_context
-            buckets = (Buckets.fine(slots, context, min_seq=min_prompt) if engine_shapes and context else
-                       Buckets(tuple(range(1, slots + 1))) if engine_shapes else
-                       Buckets.default(slots, context, min_prompt))
-            if family == "ssm":  # an SSM's state does not grow with the context: one decode shape
-                buckets = Buckets(buckets.batch, buckets.seq)
-            sched = Scheduler(stages_for(family, denoise), slots, buckets,
-                              None if family == "diffusion" else max_context, kv=kv)
-            engines.append(Engine(f"{name}#{r}" if count > 1 else name, sched, timer,
+            engines.append(Engine(f"{name}#{r}" if count > 1 else name,
+                                  _scheduler(ctx, slots, kv, max_context, min_prompt, engine_shapes), timer,
                                   _lanes(steps, targets if shared else None), speed, _delays(moves, steps),
                                   engine_shapes=engine_shapes, min_prompt=min_prompt))
     return engines
+
+
+def _min_prompt(ctx: PlanContext, min_prompt: int) -> int:
+    """The shortest prompt bucket: a VLM's prompt holds its image's tokens, so no bucket may be shorter."""
+    if ctx.spec.family != "vlm":
+        return min_prompt
+    meta = ctx.graph(next(p for p in ctx.phases if p.phase == "prefill")).meta
+    return max(min_prompt, int(meta["image_start"]) + int(meta["image_tokens"]))
+
+
+def _scheduler(ctx: PlanContext, slots: int, kv: KVBudget | None, max_context: int | None, min_prompt: int,
+               engine_shapes: bool) -> Scheduler:
+    """One engine's scheduler: its family's stages, its admission and its shape buckets."""
+    family = ctx.spec.family
+    context = None if family == "diffusion" else max_context
+    buckets = (Buckets.fine(slots, context, min_seq=min_prompt) if engine_shapes and context else
+               Buckets(tuple(range(1, slots + 1))) if engine_shapes else
+               Buckets.default(slots, context, min_prompt))
+    if family == "ssm":  # an SSM's state does not grow with the context: one decode shape
+        buckets = Buckets(buckets.batch, buckets.seq)
+    denoise = ctx.workload.steps if isinstance(ctx.workload, ImagesWorkload) else 28
+    return Scheduler(stages_for(family, denoise), slots, buckets, context, kv=kv)
+
+
+def _one_engine(ctx: PlanContext, plan: DeploymentPlan, objective: str, routes: list[dict[str, Any]],
+                max_context: int | None, feedback_s: float, min_prompt: int, link: Link | None,
+                engine_shapes: bool) -> Engine:
+    """Routes that are one engine (`tessera.plan.mixes.one_engine`): one scheduler (the tighter of the
+    routes' admissions), and per device one lane running the phases any route places there, each with its
+    route's step timer and state moves. A lane that runs the repeated phase and prompts too admits at
+    most the planned share of the requests (its routes' shares), the prompt-only lanes the rest."""
+    min_prompt = _min_prompt(ctx, min_prompt)
+    lanes: dict[frozenset[int], Lane] = {}
+    shares: dict[frozenset[int], float] = {}
+    first_phase = stages_for(ctx.spec.family)[0].phase
+    admissions = []
+    for k, route in enumerate(routes):
+        steps = [s for s in plan.steps if s.objective == objective and s.solver.get("route_of") == k]
+        if not steps:
+            raise SimulationSetupError(f"the {plan.policy} plan has no {objective} step plans for route {k}")
+        targets = _match_targets(ctx, route["targets"], 1, None)
+        timer = _timer(ctx, steps, targets, feedback_s, link)
+        delays = _delays([StateMove(**m) for m in route["state_moves"]], steps)
+        admissions.append(EngineAdmission(**route["admission"]) if route.get("admission") else None)
+        for lane in plan_lanes(steps):
+            used = frozenset(plan.targets.index(targets[t].name) for s in lane for t in s.used_targets)
+            phases = {s.phase for s in lane}
+            known = lanes.get(used)
+            if known is None or len(phases) > len(known.phases):  # the lane running the most phases times them
+                lanes[used] = Lane(phases | (known.phases if known else set()), timer=timer, delays=delays)
+            else:
+                known.phases |= phases
+            if first_phase in phases:
+                shares[used] = shares.get(used, 0.0) + float(route["share"])
+    if any(a & b for a, b in itertools.combinations(lanes, 2)):
+        raise SimulationSetupError(f"the {plan.policy} plan's routes share devices in different ways; one engine "
+                                   "runs each device's phases on one lane (plan again)")
+    main = max((s for s in plan.steps if s.objective == objective), key=lambda s: s.repeats)
+    admitted = [a for a in admissions if a is not None]
+    admission = min(admitted, key=lambda a: (a.max_seqs, a.kv_tokens or 0)) if admitted else None
+    slots, kv = _admission(plan, "tessera", admission, ctx.spec.family, main.batch)
+    batched = next(st.phase for st in stages_for(ctx.spec.family) if st.batched)
+    for used, ln in lanes.items():
+        if batched in ln.phases and first_phase in ln.phases:
+            ln.share = shares.get(used, 0.0)
+    ordered = sorted(lanes.values(), key=lambda ln: batched in ln.phases)  # prompt lanes first
+    first = ordered[0]
+    return Engine(plan.policy, _scheduler(ctx, slots, kv, max_context, min_prompt, engine_shapes),
+                  first.timer, ordered, 1.0, first.delays or {}, engine_shapes=engine_shapes, min_prompt=min_prompt)
 
 
 def _admission(plan: DeploymentPlan, name: str, admission: EngineAdmission | None, family: str,
@@ -248,11 +312,12 @@ def _prompts_only(engine: Engine, lane: Lane) -> bool:
 
 
 def _duration(engine: Engine, lane: Lane, step: ScheduledStep, now: float) -> float:
+    timer = lane.timer or engine.timer
     if engine.engine_shapes:  # the same phase and rows stream on even as the context grows
-        t = engine.timer.interpolated(step.phase, step.rows, step.seq, step.ctx, engine.min_prompt)
+        t = timer.interpolated(step.phase, step.rows, step.seq, step.ctx, engine.min_prompt)
         streaming = lane.last_bucket is not None and lane.last_bucket[:2] == step.bucket[:2]
     else:
-        t = engine.timer.time(step.phase, step.rows, step.seq, step.ctx)
+        t = timer.time(step.phase, step.rows, step.seq, step.ctx)
         streaming = lane.last_bucket == step.bucket
     return t.period_s if streaming and lane.busy_until >= now else t.first_s
 
@@ -270,7 +335,8 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
         for e in engines:
             for lane in e.lanes:
                 if lane.step is not None and lane.busy_until <= now:
-                    e.scheduler.complete(lane.step, lane.start_s, lane.busy_until, e.delays)
+                    e.scheduler.complete(lane.step, lane.start_s, lane.busy_until,
+                                         e.delays if lane.delays is None else lane.delays)
                     lane.step = None
         while nxt < total and pending[nxt].arrival_s <= now:
             _route(engines, pending[nxt]).scheduler.submit(pending[nxt])
@@ -284,9 +350,11 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
             if lane.devices and any(other.step is not None and other.devices & lane.devices
                                     for f in engines for other in f.lanes):
                 continue  # another engine's step holds one of its devices: steps take turns
-            step = e.scheduler.next_step(now, lane.phases)
+            admit = lane.share is None or lane.prompts < lane.share * (sum(ln.prompts for ln in e.lanes) + 1)
+            step = e.scheduler.next_step(now, lane.phases, admit=admit)
             if step is None:
                 continue
+            lane.prompts += not e.scheduler.stages[0].batched and step.phase == e.scheduler.stages[0].phase
             dur = _duration(e, lane, step, now)
             lane.step, lane.start_s, lane.busy_until, lane.last_bucket = step, now, now + dur, step.bucket
             lane.busy_s += dur
