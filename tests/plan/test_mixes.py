@@ -9,11 +9,18 @@ import pytest
 from tessera.hardware.cluster import parse_cluster
 from tessera.plan.admission import round_batch
 from tessera.plan.context import PlanContext
-from tessera.plan.deployment import DeploymentPlan
-from tessera.plan.mixes import Route, best_rates, fill_rates, fit_together, route_of
+from tessera.plan.deployment import DeploymentPlan, EngineAdmission, StepPlan
+from tessera.plan.mixes import Route, best_mix, best_rates, fill_rates, fit_together, one_engine, route_of
 from tessera.plan.planner import compare
-from tessera.plan.policies import MIN_ROUTE_BATCH, ROUTE_BATCH_SHARES, prefill_decode_plans, smaller_engines
-from tessera.sim.requests import simulate
+from tessera.plan.policies import (
+    MIN_ROUTE_BATCH,
+    MIX_MIN_GAIN,
+    ROUTE_BATCH_SHARES,
+    prefill_decode_plans,
+    route_mix,
+    smaller_engines,
+)
+from tessera.sim.requests import arrivals, engines_for, run_requests, simulate
 from tessera.workload import parse_workload
 
 WORKLOAD = "offline:prompts=azure-conv,out=256,requests=1000"  # enough requests to fill both engines
@@ -56,6 +63,41 @@ def test_a_route_fed_by_another_lane_must_be_fed_fast_enough_to_fill_its_batch()
     assert best_rates([pd, alone]).tolist() == [0.0, 0.0]
 
 
+def _step(phase: str, assignment: list[int], repeats: float, rows: int, cycle_s: float) -> StepPlan:
+    return StepPlan(phase, "throughput", rows, 1, repeats, rows, f"graph-{phase}-{rows}", assignment, cycle_s, cycle_s,
+                    [], [], 0, 0.0)
+
+
+def _engine(policy: str, targets: list[str], steps: list[StepPlan], request_s: float, device: str | None = None):
+    plan = _plan(targets, [1.0] * len(targets), [0.5] * len(targets), {}, [2.0] * len(targets))
+    plan.policy, plan.device, plan.steps, plan.request_time_s = policy, device, steps, request_s
+    plan.admission = EngineAdmission(10, None, 16, "max_num_seqs")
+    return plan
+
+
+def test_one_engine_decodes_every_request_and_prefills_what_the_other_device_cannot_by_hand():
+    # prefill-decode: prefill on L 0.4 s a prompt, decode on A 100 steps of 0.02 s at 10 rows (0.2 s of A per
+    # request): L-bound at 2.5 requests/s, A busy half the time, and its decode batch needs 10 / (100 x 0.02)
+    # = 5 requests/s to stay full, so as two engines it is never mixed. A alone: 0.1 s prefill + 0.2 s decode.
+    # One engine: L prefills 2.5/s, A's other half prefills and decodes (1 - 0.5) / 0.3 = 5/3 more
+    pd = _engine("prefill-decode", ["A", "L"], [_step("prefill", [1, 1], 1, 1, 0.4), _step("decode", [0, 0], 100, 10,
+                                                                                          0.02)], 0.4)
+    alone = _engine("homogeneous", ["A"], [_step("prefill", [0], 1, 1, 0.1), _step("decode", [0, 0], 100, 10, 0.02)],
+                    0.3, "A")
+    routes = one_engine(route_of(pd), route_of(alone))
+    assert routes is not None and [r.plan for r in routes] == [pd, alone] and not any(r.fed for r in routes)
+    assert best_rates([route_of(pd), route_of(alone)]).sum() == 0  # two engines: pd's batch is never full
+    assert best_rates(routes) == pytest.approx([2.5, 5 / 3])
+    mix = best_mix([pd, alone], 100.0, {"A": 2.0, "L": 1.0}, requests=1000)
+    assert mix.throughput == pytest.approx(100 * (2.5 + 5 / 3)) and mix.reason.startswith("one engine: 60% of")
+    assert [r["engine"] for r in mix.extra["routes"]] == [0, 0]
+    assert mix.memory_bytes == [1.0, 1.0]  # one engine's weights and state, not two engines'
+    # another decode step (another graph) or another admission is not the same engine
+    alone.steps[1] = _step("decode", [0, 0], 100, 8, 0.02)
+    assert one_engine(route_of(pd), route_of(alone)) is None
+    assert best_mix([pd, alone], 100.0, {"A": 2.0, "L": 1.0}) is None
+
+
 def test_routes_share_weights_once_and_must_fit_their_state():
     w = {"w1": [0], "w2": [0]}
     a = _plan(["L"], [10.0], [6.0], w, [20.0])  # 6 weights + 3 state + 1 reserve
@@ -75,16 +117,20 @@ def test_routes_share_weights_once_and_must_fit_their_state():
 @pytest.fixture(scope="module")
 def smollm2_mix():
     ctx = PlanContext("smollm2-135m", parse_cluster("A100:1,L40S:1"), parse_workload(WORKLOAD), WORKLOAD)
-    return ctx, compare(ctx)
+    plans = compare(ctx)
+    return ctx, plans, route_mix(ctx, "throughput", plans)
 
 
-def test_tessera_mixes_routes_where_that_beats_every_baseline(smollm2_mix):
-    ctx, plans = smollm2_mix
-    tess = plans[-1]
+def test_a_mix_of_routes_beats_every_baseline_and_tessera_adopts_it_only_past_the_margin(smollm2_mix):
+    ctx, plans, tess = smollm2_mix
     routes = tess.extra.get("routes")
-    assert routes and len(routes) == 2, tess.reason
+    assert routes and len(routes) == 2 and [r["engine"] for r in routes] == [0, 1], tess.reason
     best = max(p.throughput for p in plans[:-1] if p.feasible)
-    assert tess.throughput > best * 1.01
+    assert best * 1.01 < tess.throughput < best * (1 + MIX_MIN_GAIN)
+    # below the margin Tessera keeps the best single engine and says what it did not adopt
+    assert plans[-1].throughput == best and "routes" not in plans[-1].extra
+    assert plans[-1].extra["mix_declined"] == (f"{tess.reason} planned {tess.throughput / best - 1:+.1%}, below the 5% "
+                                               "a mix must gain over one engine")
     rates = np.array([r["rate"] for r in routes])
     assert tess.throughput == pytest.approx(ctx.outputs_per_request * rates.sum())
     assert sum(r["share"] for r in routes) == pytest.approx(1.0)
@@ -103,8 +149,7 @@ def test_tessera_mixes_routes_where_that_beats_every_baseline(smollm2_mix):
 
 
 def test_the_simulator_runs_a_mix_with_its_routes_taking_turns(smollm2_mix):
-    ctx, plans = smollm2_mix
-    tess = plans[-1]
+    ctx, _, tess = smollm2_mix
     routes = tess.extra["routes"]
     shared = [t for t in routes[0]["targets"] if t in routes[1]["targets"]]
     assert len(shared) == 1
@@ -123,7 +168,7 @@ def test_the_simulator_runs_a_mix_with_its_routes_taking_turns(smollm2_mix):
 
 
 def test_smaller_engines_keep_the_placement_and_admit_their_batch(smollm2_mix):
-    ctx, plans = smollm2_mix
+    ctx, plans, _ = smollm2_mix
     for plan in (next(p for p in plans if p.policy == "prefill-decode"), next(p for p in plans if p.device == "A100")):
         full = plan.admission.max_seqs
         small = smaller_engines(ctx, plan, "throughput")
@@ -146,8 +191,33 @@ def test_smaller_engines_keep_the_placement_and_admit_their_batch(smollm2_mix):
 
 
 def test_every_prefill_decode_orientation_is_offered_and_the_baseline_is_the_best(smollm2_mix):
-    ctx, plans = smollm2_mix
+    ctx, plans, _ = smollm2_mix
     both = prefill_decode_plans(ctx, "throughput")
     assert sorted(p.reason for p in both) == ["prefill on A100, decode on L40S", "prefill on L40S, decode on A100"]
     baseline = next(p for p in plans if p.policy == "prefill-decode")
     assert baseline.throughput == max(p.throughput for p in both) and baseline.reason in {p.reason for p in both}
+
+
+def test_tessera_adopts_one_engine_past_the_margin_and_the_simulator_keeps_its_decode_lane_to_its_share():
+    # short outputs: the L40S's prefills cannot keep the A100's decode batch full, so the A100 prefills some
+    work = "offline:prompts=azure-conv,out=64,requests=1000"
+    ctx = PlanContext("smollm2-135m", parse_cluster("A100:1,L40S:1"), parse_workload(work), work)
+    plans = compare(ctx)
+    tess = plans[-1]
+    assert tess.reason.startswith("one engine: ") and [r["engine"] for r in tess.extra["routes"]] == [0, 0]
+    assert tess.throughput >= max(p.throughput for p in plans[:-1] if p.feasible) * (1 + MIX_MIN_GAIN)
+    (engine,) = engines_for(ctx, tess, engine_shapes=True)
+    prefill_lane, decode_lane = engine.lanes
+    assert (prefill_lane.phases, decode_lane.phases) == ({"prefill"}, {"prefill", "decode"})
+    assert prefill_lane.delays["decode"] > 0 and decode_lane.delays.get("decode", 0.0) == 0  # KV moves from L40S
+    # the decode lane's planned share of its time on prompts: its route's rate x its prefill cycle
+    local = next(k for k, r in enumerate(tess.extra["routes"]) if r["policy"] == "homogeneous")
+    prefill = next(s for s in tess.steps if s.solver["route_of"] == local and s.phase == "prefill")
+    assert prefill_lane.share is None
+    assert decode_lane.share == pytest.approx(tess.extra["routes"][local]["rate"] * prefill.per_request * prefill.cycle_s)
+    done = run_requests([engine], arrivals(ctx.workload))
+    assert all(r.finish_s is not None and r.generated == r.output for r in done)
+    end = max(r.finish_s for r in done)
+    assert prefill_lane.prompts + decode_lane.prompts >= len(done) and min(prefill_lane.prompts, decode_lane.prompts) > 0
+    longest = max(r.busy_s for r in done)  # no step of a request is longer than its whole time in steps
+    assert decode_lane.prompt_s <= decode_lane.share * end + longest

@@ -151,6 +151,19 @@ def test_a_request_dist_plan_with_replicas_is_refused(tiny, tmp_path):
         plan_file_placement(path, graphs, 2, model, NEW)
 
 
+def test_a_route_mix_plan_file_is_refused(tiny, tmp_path):
+    model, graphs, _, _ = tiny
+    pctx = runtime_context(model, 2, PROMPT, NEW, CTX, cluster=PAIR)
+    plan = plan_policy(pctx, "prefill-decode")
+    plan.policy, plan.reason = "tessera", "one engine: 90% of requests on prefill-decode, 10% on homogeneous (A100)"
+    plan.extra["routes"] = [{"policy": "prefill-decode", "engine": 0}, {"policy": "homogeneous", "engine": 0}]
+    path = tmp_path / "mix.json"
+    plan.save(path)
+    with pytest.raises(PlanFileError, match=r"is a route mix \(one engine: 90% of requests.*\); the runtime runs one "
+                                            "placement of each phase"):
+        plan_file_placement(path, graphs, 2, model, NEW)
+
+
 @pytest.mark.parametrize("change,message", [
     ({"cluster": "cpu:3"}, r"A100:1 \+ L40S:1 .* has 2 placement targets \(A100, L40S; one per device type\) and "
                            r"each runs on one cpu worker, but --cluster has 3 workers; use --cluster cpu:2"),

@@ -99,3 +99,37 @@ def test_bad_scheduler_setups_are_refused():
     stages = stages_for("llm")
     with pytest.raises(SchedulerError, match="at most one of them batched"):
         Scheduler((stages[1], stages[1]), slots=1, buckets=Buckets.default(1))
+
+
+def test_two_lanes_prefilling_for_one_engine_never_take_the_same_prompt_and_one_may_decline_to_admit():
+    # one engine, two lanes that both prefill (one of them also decodes): a prompt handed to one lane is
+    # not offered to the other while its step runs, and a lane told not to admit runs only what it has
+    sched = Scheduler(stages_for("llm"), slots=4, buckets=Buckets.default(4, 256))
+    for i in range(3):
+        sched.submit(Request(i, 0.0, 50, 2))
+    first = sched.next_step(0.0, {"prefill"})
+    assert (first.phase, [r.id for r in first.requests]) == ("prefill", [0])
+    assert sched.next_step(0.0, {"prefill", "decode"}, admit=False) is None  # request 0 is in a step
+    second = sched.next_step(0.0, {"prefill", "decode"})
+    assert [r.id for r in second.requests] == [1]
+    sched.complete(first, 0.0, 1.0)
+    step = sched.next_step(1.0, {"prefill", "decode"}, admit=False)  # decodes request 0, admits nobody
+    assert (step.phase, [r.id for r in step.requests]) == ("decode", [0])
+    assert [r.id for r in sched.waiting] == [2]
+
+
+def test_an_encoded_image_is_prefilled_before_another_request_is_admitted_and_by_the_lane_that_admitted_it():
+    sched = Scheduler(stages_for("vlm"), slots=3, buckets=Buckets.default(4, 512))
+    for i in range(3):
+        sched.submit(Request(i, 0.0, 300, 1))
+    a, b = object(), object()  # two lanes of one engine that both run the prompt stages
+    first = sched.next_step(0.0, {"encode", "prefill"}, owner=a)
+    assert (first.phase, [r.id for r in first.requests]) == ("encode", [0])
+    sched.complete(first, 0.0, 1.0)
+    # lane b may not prefill the image lane a encoded; it admits and encodes the next request instead
+    other = sched.next_step(1.0, {"encode", "prefill", "decode"}, owner=b)
+    assert (other.phase, [r.id for r in other.requests]) == ("encode", [1])
+    # lane a prefills its encoded image before it admits request 2
+    again = sched.next_step(1.0, {"encode", "prefill"}, owner=a)
+    assert (again.phase, [r.id for r in again.requests]) == ("prefill", [0])
+    assert [r.id for r in sched.waiting] == [2]

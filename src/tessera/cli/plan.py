@@ -147,6 +147,8 @@ def _table(plans, ctx, objective: str) -> None:
         margin = tess.throughput / top.throughput - 1
         verdict = (f"ties {top.policy}" if margin < 1e-6 else f"+{margin:.1%} over {top.policy}")
         _out.print(f"tessera vs the best baseline: {verdict} (bottleneck: {tess.bottleneck})")
+        if tess.extra.get("mix_declined"):
+            _out.print(f"  not adopted: {tess.extra['mix_declined']}")
 
 
 def _headroom(plans) -> tuple[float | None, float] | None:

@@ -212,8 +212,9 @@ def one_engine_memory(routes: list[Route], name: str) -> tuple[float, float]:
 
 def _mix_plan(routes: list[Route], rates: np.ndarray, outputs: float, prices: dict[str, float], objective: str,
               price_scenario: str, shared: bool = False) -> DeploymentPlan:
-    """The deployment plan of a mix: both routes' step plans (tagged with their route), memory per device;
-    ``shared``: the routes are one engine (each route's ``engine`` is 0; else its own index)."""
+    """The deployment plan of routes at ``rates`` (requests/s): every route's step plans (tagged with their
+    route), memory per device; ``shared``: the routes are one engine (each route's ``engine`` is 0; else its
+    own index)."""
     first = routes[0].plan
     held = {t for r in routes for t in r.plan.targets}
     names = [t for t in prices if t in held] + sorted(held - set(prices))  # the cluster's order

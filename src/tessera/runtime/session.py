@@ -80,6 +80,10 @@ def placements_from_plan(plan: DeploymentPlan, graphs: dict[str, KernelGraph], w
         raise PlanFileError(f"{source} ({plan.policy}) divides the batch among {len(plan.extra['replicas'])} "
                             "replicas, each with its own graphs; one runner runs one copy of the model (tessera "
                             "serve --policy request-dist starts one engine per replica)")
+    if plan.extra.get("routes"):
+        raise PlanFileError(f"{source} ({plan.policy}) is a route mix ({plan.reason}); the runtime runs one "
+                            "placement of each phase, not several engines' (simulate it with tessera simulate "
+                            "--plan, or plan one policy with --policy)")
     out, mbs = {}, {}
     for phase, g in graphs.items():
         step = plan.check_graph(phase, g.hash)

@@ -38,9 +38,13 @@ the first, its prefill over prompt + generated tokens but the last (which its ne
 at that length's prompt bucket, then decodes the outputs it still owes (each output counts once). A
 request whose whole context (input + output) needs more blocks than the budget is rejected at submit.
 
-Priorities: among the stages a lane may run, single-request stages go first (the first one admits new
-work, so slots freed by finished requests are filled at once; a finished diffusion image is decoded at
-once), then the batched stage runs every request that is ready for it.
+Priorities: among the stages a lane may run, single-request stages go first, the latest stage first (a
+finished diffusion image is decoded at once, an encoded image is prefilled before another request is
+admitted and encoded, so admitted requests do not hold slots while they queue for their prompt steps;
+the first stage admits new work, so slots freed by finished requests are filled at once), then the
+batched stage runs every request that is ready for it. A request inside a step is not offered to another
+lane (two lanes of one engine may both prefill); a lane that admits a request runs its single-request
+stages, and a lane may be told not to admit (a decode device that prefills only its share of the prompts).
 """
 
 from __future__ import annotations
@@ -184,6 +188,7 @@ class Request:
     blocks: int = 0  # KV blocks it holds (a scheduler with a KV budget)
     preemptions: int = 0  # times it was preempted (by recompute) for lack of KV blocks
     in_step: bool = False  # part of a step handed out and not completed yet (not preempted then)
+    owner: object = None  # the lane that admitted it and runs its single-request stages (None: any lane)
 
     @property
     def context(self) -> int:
@@ -281,15 +286,17 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def next_step(self, now: float, phases: set[str] | None = None, max_rows: int | None = None,
-                  admit: bool = True) -> ScheduledStep | None:
+                  admit: bool = True, owner: object = None) -> ScheduledStep | None:
         """The step to run now among ``phases`` (all when None), or None when nothing is ready. ``max_rows``
         caps the requests in flight and the rows of a batched step (a latency plan's low-load bucket). With
         a KV budget, the rows of a batched step get their next token's block first (preempting when none
         is free, see the module docstring). ``admit``: whether the step may admit a waiting request (a lane
-        that decodes and prefills some of the prompts leaves the others to the engine's prefill lanes)."""
+        that decodes and prefills some of the prompts leaves the others to the engine's prefill lanes);
+        ``owner``: the lane asking, which then runs the single-request stages of the requests it admits (and
+        only those: an encoded image's prefill stays where its encoder output is)."""
         allowed = set(self.phases) if phases is None else phases
         cap = min(max_rows or self.slots, self.buckets.batch[-1])
-        order = [i for i, s in enumerate(self.stages) if not s.batched] + \
+        order = [i for i, s in reversed(list(enumerate(self.stages))) if not s.batched] + \
             [i for i, s in enumerate(self.stages) if s.batched]
         for i in order:
             stage = self.stages[i]
@@ -305,11 +312,12 @@ class Scheduler:
                     ctx = self.buckets.context(longest) if self.buckets.ctx else None
                     return self._handed(ScheduledStep(stage.phase, rows, self.buckets.rows(len(rows)), None, ctx))
                 continue
-            ready = [r for r in self.running if r.stage == i and r.ready_s <= now and not r.in_step]
+            ready = [r for r in self.running if r.stage == i and r.ready_s <= now and not r.in_step
+                     and (owner is None or r.owner is None or r.owner is owner)]
             if (not ready and admit and i == 0 and self.waiting and self._free and self.waiting[0].arrival_s <= now
                     and len(self.running) < cap and self._fits(self.waiting[0])):
                 req = self.waiting.popleft()
-                req.slot = self._free.pop()
+                req.slot, req.owner = self._free.pop(), owner
                 if self.kv is not None:
                     req.blocks = self.kv.blocks_for(req.context)
                     self._free_blocks -= req.blocks
@@ -366,6 +374,7 @@ class Scheduler:
         self._free.append(req.slot)
         self._free_blocks += req.blocks
         req.slot, req.blocks, req.stage, req.left, req.ready_s = None, 0, -1, 0, min(req.ready_s, now)
+        req.owner = None
         req.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(req)

@@ -53,8 +53,9 @@ class Lane:
     devices: frozenset[str] = frozenset()  # cluster targets it shares with other engines' lanes (route mixes)
     timer: StepTimer | None = None  # its own step plans' timer (one engine of two routes), else the engine's
     delays: dict[str, float] | None = None  # the state moves after its steps, else the engine's
-    share: float | None = None  # the most of its engine's prompts it prefills (a lane that also decodes)
-    prompts: int = 0  # prompt steps it ran
+    share: float | None = None  # planned share of its time on prompt steps (a lane that also decodes)
+    prompts: int = 0  # requests it admitted (their prompt steps run on it)
+    prompt_s: float = 0.0  # its time on prompt steps
     busy_until: float = 0.0
     step: ScheduledStep | None = None
     start_s: float = 0.0
@@ -205,12 +206,14 @@ def _one_engine(ctx: PlanContext, plan: DeploymentPlan, objective: str, routes: 
                 engine_shapes: bool) -> Engine:
     """Routes that are one engine (`tessera.plan.mixes.one_engine`): one scheduler (the tighter of the
     routes' admissions), and per device one lane running the phases any route places there, each with its
-    route's step timer and state moves. A lane that runs the repeated phase and prompts too admits at
-    most the planned share of the requests (its routes' shares), the prompt-only lanes the rest."""
+    route's step timer and state moves. A lane that runs the repeated phase and prompts too admits new
+    requests while its time on prompt steps is within its planned share of the time so far (its routes'
+    rates x their prompt cycles there), so it fills the share of its device the plan gave prompts even when
+    the prompt-only lanes run slower than planned; the prompt-only lanes go first and admit the rest."""
     min_prompt = _min_prompt(ctx, min_prompt)
     lanes: dict[frozenset[int], Lane] = {}
     shares: dict[frozenset[int], float] = {}
-    first_phase = stages_for(ctx.spec.family)[0].phase
+    batched = next(st.phase for st in stages_for(ctx.spec.family) if st.batched)
     admissions = []
     for k, route in enumerate(routes):
         steps = [s for s in plan.steps if s.objective == objective and s.solver.get("route_of") == k]
@@ -228,8 +231,8 @@ def _one_engine(ctx: PlanContext, plan: DeploymentPlan, objective: str, routes: 
                 lanes[used] = Lane(phases | (known.phases if known else set()), timer=timer, delays=delays)
             else:
                 known.phases |= phases
-            if first_phase in phases:
-                shares[used] = shares.get(used, 0.0) + float(route["share"])
+            shares[used] = shares.get(used, 0.0) + float(route["rate"]) * sum(
+                s.per_request * s.cycle_s for s in lane if s.phase != batched)
     if any(a & b for a, b in itertools.combinations(lanes, 2)):
         raise SimulationSetupError(f"the {plan.policy} plan's routes share devices in different ways; one engine "
                                    "runs each device's phases on one lane (plan again)")
@@ -237,9 +240,8 @@ def _one_engine(ctx: PlanContext, plan: DeploymentPlan, objective: str, routes: 
     admitted = [a for a in admissions if a is not None]
     admission = min(admitted, key=lambda a: (a.max_seqs, a.kv_tokens or 0)) if admitted else None
     slots, kv = _admission(plan, "tessera", admission, ctx.spec.family, main.batch)
-    batched = next(st.phase for st in stages_for(ctx.spec.family) if st.batched)
     for used, ln in lanes.items():
-        if batched in ln.phases and first_phase in ln.phases:
+        if batched in ln.phases and len(ln.phases) > 1:
             ln.share = shares.get(used, 0.0)
     ordered = sorted(lanes.values(), key=lambda ln: batched in ln.phases)  # prompt lanes first
     first = ordered[0]
@@ -350,12 +352,15 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
             if lane.devices and any(other.step is not None and other.devices & lane.devices
                                     for f in engines for other in f.lanes):
                 continue  # another engine's step holds one of its devices: steps take turns
-            admit = lane.share is None or lane.prompts < lane.share * (sum(ln.prompts for ln in e.lanes) + 1)
-            step = e.scheduler.next_step(now, lane.phases, admit=admit)
+            admit = lane.share is None or lane.prompt_s <= lane.share * now
+            step = e.scheduler.next_step(now, lane.phases, admit=admit, owner=lane)
             if step is None:
                 continue
-            lane.prompts += not e.scheduler.stages[0].batched and step.phase == e.scheduler.stages[0].phase
             dur = _duration(e, lane, step, now)
+            first = e.scheduler.stages[0]
+            if not any(st.batched and st.phase == step.phase for st in e.scheduler.stages):
+                lane.prompt_s += dur
+                lane.prompts += not first.batched and step.phase == first.phase
             lane.step, lane.start_s, lane.busy_until, lane.last_bucket = step, now, now + dur, step.bucket
             lane.busy_s += dur
             e.steps += 1
