@@ -206,6 +206,7 @@ def test_tessera_adopts_one_engine_past_the_margin_and_the_simulator_keeps_its_d
     tess = plans[-1]
     assert tess.reason.startswith("one engine: ") and [r["engine"] for r in tess.extra["routes"]] == [0, 0]
     assert tess.throughput >= max(p.throughput for p in plans[:-1] if p.feasible) * (1 + MIX_MIN_GAIN)
+    assert tess.bound >= tess.throughput  # the bound's fractional split holds this engine's too
     (engine,) = engines_for(ctx, tess, engine_shapes=True)
     prefill_lane, decode_lane = engine.lanes
     assert (prefill_lane.phases, decode_lane.phases) == ({"prefill"}, {"prefill", "decode"})

@@ -248,7 +248,10 @@ def _online_md(result: SuiteResult) -> list[str]:
              f"{cfg.latency_target_s * 1e3:g} ms per output token, found by bisection on the rate: bracketed "
              f"within a factor of 2 starting from the planner's estimate, then {cfg.bisection_steps} halvings "
              "of the bracket in log space (the highest rate that met the target; the lowest that missed it in "
-             "brackets). The same seed at every rate scales one arrival pattern. Diffusion (sd3.5-medium) is "
+             "brackets). A rate above the plan's capacity (its planned tokens/s over the mean output) misses "
+             f"without a simulation: {cfg.online_requests} requests can fit one engine's slots at once, and such a "
+             "burst may meet the target although the deployment cannot keep up with the rate. "
+             "The same seed at every rate scales one arrival pattern. Diffusion (sd3.5-medium) is "
              "not in the online section: its outputs are images, not tokens, so the per-token latency target "
              "does not apply.", "",
              "![Normalised latency against the Poisson rate](online_latency.png)", ""]

@@ -295,7 +295,8 @@ class Suite:
     def _sustained(self, ctx, plan, mean_out: float) -> OnlineRun:
         """Bisection on the Poisson rate (geometric): bracket the target within a factor of 2 from the
         planner's estimate, then halve the bracket ``bisection_steps`` times (in log space). The same seed at
-        every rate scales one arrival pattern, so the latency grows with the rate."""
+        every rate scales one arrival pattern, so the latency grows with the rate. A rate above the plan's
+        capacity (planned throughput / mean output) misses without a simulation."""
         run = OnlineRun(plan.policy, plan.device, "ok", plan.reason)
         if not plan.applicable:
             run.status = "n/a"
@@ -305,8 +306,11 @@ class Suite:
             run.status = "no fit"
             return run
         target = self.config.latency_target_s
+        capacity = plan.throughput / max(mean_out, 1.0)  # requests/s the deployment processes in the steady state
 
         def meets(rate: float) -> bool:
+            if rate > capacity * (1 + 1e-9):  # a short burst fits the engines' slots and may meet the target, but
+                return False  # no deployment keeps up with more requests than it processes
             res = self._at_rate(ctx, plan, rate)
             run.samples.append((rate, res.norm_latency_s))
             return res.completed > 0 and res.norm_latency_s <= target

@@ -555,9 +555,9 @@ def _promising_m(ctx: PlanContext, targets, objective: str, keep: int = 2) -> li
 
 
 def route_mix(ctx: PlanContext, objective: str, plans: list[DeploymentPlan]) -> DeploymentPlan | None:
-    """The best mix of two single-engine plans sharing the cluster (`tessera.plan.mixes`), adopted by
-    :func:`tessera` only past ``MIX_MIN_GAIN``, for the steady-state throughput of engines admitting from memory (not a fixed batch, not runtime plans, not
-    finite workloads arriving at once)."""
+    """The best mix of two single-engine plans sharing the cluster (`tessera.plan.mixes`; :func:`tessera`
+    adopts it only past ``MIX_MIN_GAIN``), for the steady-state throughput of engines admitting from memory
+    (not a fixed batch, not runtime plans, not finite workloads arriving at once)."""
     if (objective != "throughput" or not ctx.admits or ctx.single_replica
             or any("makespan_s" in p.extra for p in plans)):
         return None  # a fixed batch is the deployment's: two engines would hold twice as many sequences
