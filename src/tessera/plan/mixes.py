@@ -20,6 +20,11 @@ whose repeated phase another lane feeds (prefill on one device, decode on anothe
 keep that batch full (``fill_r``, Little's law: :func:`fill_rates`), or its decode steps run at the rows that
 have arrived and take more of the shared device than its full batch would.
 Throughput is outputs per request x sum_r rate_r.
+
+One engine (:func:`one_engine`): prefill on one device with decode on another, paired with the decode
+device alone, is also weighed as a single engine that decodes every request and prefills a share of the
+prompts itself: the same LP over the two routes' occupancies, but one decode batch (its state held once),
+which the engine's own queue keeps full, so no fill rate and no finite-workload split apply.
 """
 
 from __future__ import annotations
