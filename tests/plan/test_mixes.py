@@ -129,7 +129,7 @@ def test_a_mix_of_routes_beats_every_baseline_and_tessera_adopts_it_only_past_th
     assert best * 1.01 < tess.throughput < best * (1 + MIX_MIN_GAIN)
     # below the margin Tessera keeps the best single engine and says what it did not adopt
     assert plans[-1].throughput == best and "routes" not in plans[-1].extra
-    assert plans[-1].extra["mix_declined"] == (f"{tess.reason} planned {tess.throughput / best - 1:+.1%}, below the 5% "
+    assert plans[-1].summary()["mix_declined"] == plans[-1].extra["mix_declined"] == (f"{tess.reason} planned {tess.throughput / best - 1:+.1%}, below the 5% "
                                                "a mix must gain over one engine")
     rates = np.array([r["rate"] for r in routes])
     assert tess.throughput == pytest.approx(ctx.outputs_per_request * rates.sum())

@@ -167,7 +167,8 @@ class DeploymentPlan:
                 "ttft_s": self.ttft_s, "replicas": self.replicas, "targets": self.targets,
                 "micro_batches": decode.micro_batches if decode else None,
                 "memory_gb": [round(b / 1e9, 3) for b in self.memory_bytes], "bottleneck": self.bottleneck,
-                "admission": asdict(self.admission) if self.admission else None, "bound": self.bound}
+                "admission": asdict(self.admission) if self.admission else None, "bound": self.bound,
+                "mix_declined": self.extra.get("mix_declined")}
 
     def to_dict(self) -> dict[str, Any]:
         """The plan file's JSON form."""
