@@ -317,7 +317,7 @@ class Suite:
 
         try:
             lo = hi = None
-            rate = max(1e-3, 0.6 * plan.throughput / max(mean_out, 1.0))
+            rate = max(1e-3, 0.6 * capacity)
             for _ in range(8):
                 if meets(rate):
                     lo = rate

@@ -357,10 +357,9 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
             if step is None:
                 continue
             dur = _duration(e, lane, step, now)
-            first = e.scheduler.stages[0]
-            if not any(st.batched and st.phase == step.phase for st in e.scheduler.stages):
+            if not any(st.batched and st.phase == step.phase for st in e.scheduler.stages):  # a prompt step
                 lane.prompt_s += dur
-                lane.prompts += not first.batched and step.phase == first.phase
+                lane.prompts += step.phase == e.scheduler.stages[0].phase  # its first stage: an admission
             lane.step, lane.start_s, lane.busy_until, lane.last_bucket = step, now, now + dur, step.bucket
             lane.busy_s += dur
             e.steps += 1
