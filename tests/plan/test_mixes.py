@@ -11,7 +11,7 @@ from tessera.plan.admission import round_batch
 from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DeploymentPlan, EngineAdmission, StepPlan
 from tessera.plan.mixes import Route, best_mix, best_rates, fill_rates, fit_together, one_engine, route_of
-from tessera.plan.planner import compare
+from tessera.plan.planner import compare, plan_policy
 from tessera.plan.policies import (
     MIN_ROUTE_BATCH,
     MIX_MIN_GAIN,
@@ -130,7 +130,7 @@ def test_a_mix_of_routes_beats_every_baseline_and_tessera_adopts_it_only_past_th
     # below the margin Tessera keeps the best single engine and says what it did not adopt
     assert plans[-1].throughput == best and "routes" not in plans[-1].extra
     assert plans[-1].summary()["mix_declined"] == plans[-1].extra["mix_declined"] == (f"{tess.reason} planned {tess.throughput / best - 1:+.1%}, below the 5% "
-                                               "a mix must gain over one engine")
+                                               "a mix must gain over one engine (--mix-min-gain)")
     rates = np.array([r["rate"] for r in routes])
     assert tess.throughput == pytest.approx(ctx.outputs_per_request * rates.sum())
     assert sum(r["share"] for r in routes) == pytest.approx(1.0)
@@ -190,6 +190,47 @@ def test_smaller_engines_keep_the_placement_and_admit_their_batch(smollm2_mix):
     assert smaller_engines(ctx, next(p for p in plans if p.policy == "request-dist"), "throughput") == []
 
 
+def test_a_lower_margin_adopts_the_mix_and_its_plan_names_three_engines_on_two_devices(smollm2_mix, tmp_path):
+    ctx, plans, mix = smollm2_mix
+    ctx.mix_min_gain = 0.0
+    try:
+        tess = plan_policy(ctx, "tessera")
+    finally:
+        ctx.mix_min_gain = MIX_MIN_GAIN
+    assert tess.extra["routes"] and tess.throughput == pytest.approx(mix.throughput)
+    layout = tess.layout
+    engines = {e.name: e for e in layout.engines}
+    assert set(engines) == {"whole@L40S", "prefill@L40S", "decode@A100"}
+    assert engines["prefill@L40S"].kv_role == "kv_producer" and engines["decode@A100"].kv_role == "kv_consumer"
+    assert engines["whole@L40S"].kv_role is None and engines["decode@A100"].devices == ("A100:0",)
+    # two engines on the L40S share its memory in proportion to what each holds; the A100's is its own
+    on_l40s = [e.memory_fraction for e in layout.engines if e.targets == ("L40S",)]
+    assert sum(on_l40s) == pytest.approx(0.9, abs=1e-3) and engines["decode@A100"].memory_fraction == 0.9
+    shares = {r.hops: r.share for r in layout.routes}
+    planned = {r["policy"]: r["share"] for r in tess.extra["routes"]}
+    assert shares == {("whole@L40S",): pytest.approx(planned["homogeneous"]),
+                      ("prefill@L40S", "decode@A100"): pytest.approx(planned["prefill-decode"])}
+    assert layout.runnable_on == ("vllm",)  # Tessera's runtime does not run mixes (yet)
+    again = DeploymentPlan.load(tess.save(tmp_path / "mix.json"))
+    assert again.layout == layout
+
+
+def test_each_baseline_names_its_engines(smollm2_mix):
+    _, plans, _ = smollm2_mix
+    by = {p.policy + (f" ({p.device})" if p.device else ""): p.layout for p in plans}
+    rd = by["request-dist"]
+    assert [e.name for e in rd.engines] == ["whole@A100", "whole@L40S"] and rd.runnable_on == ("vllm", "tessera")
+    assert sum(r.share for r in rd.routes) == pytest.approx(1.0) and rd.routes[0].share > rd.routes[1].share
+    pd = by["prefill-decode"]
+    assert [r.hops for r in pd.routes] == [tuple(e.name for e in pd.engines)] and pd.routes[0].share == 1.0
+    assert [e.roles for e in pd.engines] == [("prefill",), ("decode",)]
+    for policy in ("attention-ffn", "layer-pipeline"):
+        (split,) = by[policy].engines
+        assert split.roles == ("split",) and split.targets == ("A100", "L40S") and not split.runs_on_vllm
+        assert by[policy].runnable_on == ("tessera",)
+    assert [e.name for e in by["homogeneous (A100)"].engines] == ["whole@A100"]
+
+
 def test_every_prefill_decode_orientation_is_offered_and_the_baseline_is_the_best(smollm2_mix):
     ctx, plans, _ = smollm2_mix
     both = prefill_decode_plans(ctx, "throughput")
@@ -205,6 +246,10 @@ def test_tessera_adopts_one_engine_past_the_margin_and_the_simulator_keeps_its_d
     plans = compare(ctx)
     tess = plans[-1]
     assert tess.reason.startswith("one engine: ") and [r["engine"] for r in tess.extra["routes"]] == [0, 0]
+    # one engine decodes for the L40S's prefills and serves its own share whole
+    assert [(e.name, e.kv_role) for e in tess.layout.engines] == [("prefill@L40S", "kv_producer"),
+                                                                   ("decode/whole@A100", "kv_consumer")]
+    assert sorted(r.hops for r in tess.layout.routes) == [("decode/whole@A100",), ("prefill@L40S", "decode/whole@A100")]
     assert tess.throughput >= max(p.throughput for p in plans[:-1] if p.feasible) * (1 + MIX_MIN_GAIN)
     assert tess.bound >= tess.throughput  # the bound's fractional split holds this engine's too
     (engine,) = engines_for(ctx, tess, engine_shapes=True)

@@ -22,6 +22,7 @@ app = typer.Typer(help="Tessera: kernel-granularity disaggregated serving on het
 def _mount_subcommands() -> None:
     from tessera.cli.cost import register as register_cost
     from tessera.cli.devices import register as register_hardware
+    from tessera.cli.engines import register as register_engines
     from tessera.cli.evaluate import register as register_evaluate
     from tessera.cli.plan import register as register_plan
     from tessera.cli.ptx import ptx_app
@@ -37,6 +38,7 @@ def _mount_subcommands() -> None:
     register_simulate(app)
     register_evaluate(app)
     register_serve(app)
+    register_engines(app)
 
 
 _mount_subcommands()

@@ -48,6 +48,9 @@ def plan(
     expert_split: bool = typer.Option(_PLAN.split_experts, "--expert-split/--no-expert-split", help="Let Tessera "
                                       "split MoE expert GEMMs over devices (the runtime does not execute such plans "
                                       "yet)."),
+    mix_min_gain: float = typer.Option(_PLAN.mix_min_gain, "--mix-min-gain", help="Adopt a route mix (engines "
+                                       "of different placements sharing the cluster) only when it plans this much "
+                                       "above the best single-engine plan (0.05 = 5%; 0: any gain)."),
     as_json: bool = opt.JSON,
 ) -> None:
     """Plan a deployment: place every kernel on the device type that suits it (or solve a baseline policy)."""
@@ -64,7 +67,7 @@ def plan(
         check_output_file(output, "--output", "plan.json")
         config = PlanConfig(model, cluster, workload, policy, objective, device, max_batch, prices,
                             CostOptions(weights_dtype, kv_dtype), skew, cache_ctx, expert_split,
-                            AdmissionConfig(max_num_seqs, memory_utilization, block_size))
+                            AdmissionConfig(max_num_seqs, memory_utilization, block_size), mix_min_gain)
         ctx = PlanContext.from_config(config, progress=lambda s: _err.print(f"[dim]{s}[/]"))
         text, cl = ctx.workload_text, ctx.cluster
         _err.print(f"[dim]planning {model} on {cl.describe()} for {text}[/]")
@@ -98,6 +101,7 @@ def plan(
         o = chosen.extra[f"{other}_plan"]
         _out.print(f"{other} step plans in the same residency (batch {o['batch']}): {o['throughput']:,.0f} "
                    f"{chosen.unit}, {_ms(o['latency_s'])} per {'image' if chosen.unit == 'images/s' else 'output token'}")
+    _engines_lines(chosen)
     if output is not None and chosen.steps:
         drawn = f"; placement figure: {figure}" if figure else " (several engines: no single kernel split to draw)"
         _out.print(f"plan ({chosen.policy}) written to {output}{drawn}")
@@ -149,6 +153,24 @@ def _table(plans, ctx, objective: str) -> None:
         _out.print(f"tessera vs the best baseline: {verdict} (bottleneck: {tess.bottleneck})")
         if tess.extra.get("mix_declined"):
             _out.print(f"  not adopted: {tess.extra['mix_declined']}")
+
+
+def _engines_lines(plan) -> None:
+    """The engines and routes that serve the chosen plan, and which serving engines can run it."""
+    layout = plan.layout
+    if not layout.engines:
+        return
+    runs = " or ".join(f"--engine {e}" for e in layout.runnable_on) or "no engine yet"
+    why = [] if "vllm" in layout.runnable_on else ["its steps split kernels over devices, which vLLM does not run"]
+    if "tessera" not in layout.runnable_on:
+        why.append("Tessera's own runtime runs one placement, not a mix of routes")
+    _out.print(f"engines of the {plan.policy} plan (serve with {runs}{'; ' if why else ''}{'; '.join(why)}):")
+    for e in layout.engines:
+        kv = f", {e.kv_tokens:,} KV tokens" if e.kv_tokens is not None else ""
+        _out.print(f"  {e.name}: {' + '.join(e.roles)} on {', '.join(e.devices)}; max_num_seqs {e.max_num_seqs}{kv}, "
+                   f"{e.memory_fraction:.0%} of its memory")
+    for r in layout.routes:
+        _out.print(f"  route {r.name}: {r.share:.0%} of requests via {' -> '.join(r.hops)}")
 
 
 def _headroom(plans) -> tuple[float | None, float] | None:

@@ -4,45 +4,22 @@ sent to such a server). Diagnostics go to stderr; `bench --json` prints only JSO
 from __future__ import annotations
 
 import json
-import socket
+from pathlib import Path
 
 import typer
 from rich.table import Table
 
 from tessera.cli import options as opt
+from tessera.cli.sockets import is_loopback, listen, url_of
 from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
 from tessera.errors import TesseraError
 from tessera.serve.config import MAX_BODY_BYTES, ServeConfig, ServeOptionError
+from tessera.serve.connections import HTTPLimits
 
 _SERVE = ServeConfig(model="")
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """The server's socket, bound before the (slow) engine start so a taken port fails at once."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise ServeOptionError(f"--host {host!r}: {e.strerror}") from None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError as e:
-        sock.close()
-        raise ServeOptionError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.setblocking(False)
-    return sock
-
-
-def _url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
+_LIMITS = HTTPLimits()
 
 
 def serve(
@@ -79,14 +56,60 @@ def serve(
                                            "requests in flight before ending them with an error."),
     max_body_bytes: int = typer.Option(MAX_BODY_BYTES, "--max-body-bytes", help="Largest request body accepted "
                                        "(413 above it)."),
+    header_timeout: float = typer.Option(_LIMITS.header_timeout_s, "--header-timeout", help="Seconds a client has "
+                                         "to send a request's headers before its connection is closed."),
+    body_timeout: float = typer.Option(_LIMITS.body_timeout_s, "--body-timeout", help="Seconds a client has to send "
+                                       "a request's body (408 after)."),
+    max_connections: int = typer.Option(_LIMITS.max_connections, "--max-connections", help="Open connections at "
+                                        "most (503 beyond)."),
+    engine: str = typer.Option("tessera", "--engine", help="tessera: Tessera's own kernel-level runtime on cpu "
+                               "workers | vllm: one vLLM server per engine of the plan, Tessera's router in front."),
+    plan_file: Path = typer.Option(None, "--plan", help="--engine vllm: serve this plan file (`tessera plan -o`), "
+                                   "made for --cluster or, with cpu workers standing in, for a GPU cluster."),
+    placement_for: str = typer.Option(None, "--placement-for", help="--engine vllm: plan --policy for this GPU "
+                                      "cluster (e.g. A100:1,L40S:1), each of its targets on one cpu worker."),
+    mix_min_gain: float = typer.Option(None, "--mix-min-gain", help="--engine vllm with --policy tessera: adopt a "
+                                       "route mix from this planned gain over one engine (default 0.05)."),
+    vllm_python: str = typer.Option(None, "--vllm-python", envvar="TESSERA_VLLM_PYTHON", help="--engine vllm: the "
+                                    "interpreter of the vLLM environment (default .venv-vllm/bin/python; `make "
+                                    "vllm-env` creates it)."),
+    enforce_eager: bool = typer.Option(True, "--enforce-eager/--no-enforce-eager", help="--engine vllm: skip "
+                                       "vLLM's compile warm-up (30-40 s to healthy here instead of about 2 min)."),
+    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="--engine vllm: vLLM's "
+                                        "prefix caching (off to compare engines on repeated prompts)."),
+    kv_cache_gib: float = typer.Option(1.0, "--kv-cache-gib", help="--engine vllm: KV cache of each engine on a cpu "
+                                       "worker, GiB."),
+    max_in_flight: int = typer.Option(512, "--max-in-flight", help="--engine vllm: requests the router forwards at "
+                                      "once (429 with Retry-After beyond)."),
+    log_dir: Path = typer.Option(None, "--log-dir", help="--engine vllm: the engines' logs (default: a new temporary "
+                                 "folder, named at start)."),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
-    /health, /metrics), its kernels placed on local cpu workers. It listens at once (/health answers 503
-    until the engine is up); SIGTERM drains; it exits non-zero when the engine cannot go on."""
+    /health, /metrics): on Tessera's own runtime, its kernels placed on local cpu workers (--engine
+    tessera), or as vLLM engines, one per engine of the plan, behind Tessera's router (--engine vllm). It
+    listens at once (/health answers 503 until the engines are up); SIGTERM drains; it exits non-zero when
+    the engine cannot go on."""
+    from tessera.serve.connections import HTTPLimits
     from tessera.serve.server import ServerOptions, run_server
 
     say = lambda text: _err.print(f"[dim]{text}[/]", highlight=False)  # noqa: E731
+    limits = HTTPLimits(header_timeout, body_timeout, max_connections)
+    if engine == "vllm":
+        code = _serve_vllm(model, cluster, policy, plan_file, placement_for, mix_min_gain, vllm_python,
+                           max_context, enforce_eager, prefix_caching, kv_cache_gib, log_dir, host, port, api_key,
+                           max_body_bytes, max_in_flight, limits, shutdown_timeout)
+        if code:
+            raise typer.Exit(code)
+        return
     try:
+        if engine != "tessera":
+            raise ServeOptionError(f"--engine must be tessera or vllm (got {engine!r})")
+        for name, given in (("--plan", plan_file), ("--placement-for", placement_for),
+                            ("--mix-min-gain", mix_min_gain)):
+            if given is not None:
+                raise ServeOptionError(f"{name} is an option of --engine vllm; `tessera serve --engine tessera` "
+                                       "plans --policy for its cpu workers itself")
+        limits.check()
         cfg = ServeConfig(model, cluster, slots=slots, max_context=max_context, policy=policy,
                           latency_policy=latency_policy, placement=placement, seed=seed, threads=threads,
                           beta=beta, window_s=window_ms / 1000, cooldown_s=cooldown_s, local=local,
@@ -101,13 +124,13 @@ def serve(
             raise ServeOptionError(f"--shutdown-timeout must be 0 or more seconds (got {shutdown_timeout})")
         if max_body_bytes < 1024:
             raise ServeOptionError(f"--max-body-bytes must be at least 1024 (got {max_body_bytes})")
-        sock = _listen(host, port)
+        sock = listen(host, port)
     except TesseraError as e:
         _fail(e)
-    if api_key is None and not _loopback(sock):
+    if api_key is None and not is_loopback(sock):
         _err.print(f"[yellow]warning:[/] listening on {host}, reachable from other machines, without an API key: "
                    "anyone who can reach it can use it; give --api-key (or TESSERA_API_KEY)", highlight=False)
-    url = _url(sock)
+    url = url_of(sock)
     say(f"listening at {url} (/health answers 503 until the engine is up)")
 
     def announce(how: str) -> None:
@@ -115,16 +138,47 @@ def serve(
         _err.print(f"serving {model} at {url}/v1 ({slots} slots, context {max_context}"
                    f"{', API key required' if api_key else ''}); Ctrl-C stops", markup=False, highlight=False)
 
-    code = run_server(cfg, sock, ServerOptions(model, api_key, max_body_bytes, shutdown_timeout), say, announce)
+    code = run_server(cfg, sock, ServerOptions(model, api_key, max_body_bytes, shutdown_timeout, limits), say,
+                      announce)
     if code:
         raise typer.Exit(code)
 
 
-def _loopback(sock: socket.socket) -> bool:
-    """Whether the socket listens on a loopback address only."""
-    import ipaddress
+def _serve_vllm(model, cluster, policy, plan_file, placement_for, mix_min_gain, vllm_python, max_context,
+                enforce_eager, prefix_caching, kv_cache_gib, log_dir, host, port, api_key, max_body_bytes,
+                max_in_flight, limits, shutdown_timeout) -> int:
+    """`tessera serve --engine vllm`: the options checked, the router's socket bound, then the engines."""
+    from tessera.cli.engines import serve_vllm
+    from tessera.engines.vllm import default_python
+    from tessera.plan.config import check_policy
+    from tessera.router.launch import VLLMServeConfig
 
-    return ipaddress.ip_address(sock.getsockname()[0].split("%")[0]).is_loopback
+    try:
+        check_policy(policy)
+        limits.check()
+        if plan_file is not None and placement_for is not None:
+            raise ServeOptionError("--plan is a plan already made; --placement-for plans --policy now: give one")
+        if not kv_cache_gib > 0:
+            raise ServeOptionError(f"--kv-cache-gib must be positive (got {kv_cache_gib})")
+        if max_in_flight < 1:
+            raise ServeOptionError(f"--max-in-flight must be at least 1 (got {max_in_flight})")
+        if not 0 <= port <= 65535:
+            raise ServeOptionError(f"--port must be 0..65535 (got {port})")
+        if max_context < 16:
+            raise ServeOptionError(f"--max-context must be at least 16 for vLLM (got {max_context})")
+        cfg = VLLMServeConfig(model, cluster, str(plan_file) if plan_file else None, policy, placement_for,
+                              mix_min_gain, vllm_python or default_python(), max_context, enforce_eager, prefix_caching,
+                              int(kv_cache_gib * (1 << 30)), str(log_dir) if log_dir else None)
+        from tessera.capture.models import resolve_model
+
+        resolve_model(model)
+        sock = listen(host, port)
+    except TesseraError as e:
+        _fail(e)
+    if api_key is None and not is_loopback(sock):
+        _err.print(f"[yellow]warning:[/] listening on {host}, reachable from other machines, without an API key",
+                   highlight=False)
+    return serve_vllm(cfg, sock, url_of(sock), api_key, max_body_bytes, max_in_flight, limits, shutdown_timeout)
 
 
 def _s(t: float | None) -> str:

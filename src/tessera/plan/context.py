@@ -22,7 +22,13 @@ from tessera.graph.layers import LayerStructureError, layer_structure
 from tessera.hardware.cluster import Cluster, parse_cluster
 from tessera.plan.admission import MemoryShape, admit
 from tessera.plan.build import StepProblem, build_step_problem, transfer_assignment
-from tessera.plan.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_LLM, AdmissionConfig, PlanConfig
+from tessera.plan.config import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_BATCH_LLM,
+    DEFAULT_MIX_MIN_GAIN,
+    AdmissionConfig,
+    PlanConfig,
+)
 from tessera.plan.deployment import DeploymentPlan, StateMove, StepPlan, busiest_lane
 from tessera.plan.fold import Merged, fold_groups, merge
 from tessera.plan.problem import MICRO_BATCHES
@@ -128,6 +134,7 @@ class PlanContext:
     admits: bool | None = None
     # traced graphs by step shape; contexts of one model may share one dict (a graph depends only on its shape)
     graphs: dict[tuple, KernelGraph] = field(default_factory=dict, repr=False)
+    mix_min_gain: float = DEFAULT_MIX_MIN_GAIN  # Tessera adopts a route mix only past this planned gain
 
     def __post_init__(self) -> None:
         self.spec = resolve_model(self.model)
@@ -174,7 +181,7 @@ class PlanContext:
                             self.profile, self.routing_skew, self.price_scenario, self.fold_chunks, self.gap,
                             self.time_limit_s, self.search_time_s, self.progress, self.cache_ctx,
                             self.split_experts, self.micro_batches, self.image, self.single_replica, self.admission,
-                            self.admits, self.graphs)
+                            self.admits, self.graphs, mix_min_gain=self.mix_min_gain)
         child._problems, child._folded = self._problems, self._folded
         child._solved = self.__dict__.setdefault("_solved", {})
         child._parent = self
@@ -187,7 +194,8 @@ class PlanContext:
         text = config.workload_text()
         return cls(config.model, parse_cluster(config.cluster), parse_workload(text), text, config.max_batch,
                    config.cost, routing_skew=config.routing_skew, price_scenario=config.prices, progress=progress,
-                   cache_ctx=config.cache_ctx, split_experts=config.split_experts, admission=config.admission)
+                   cache_ctx=config.cache_ctx, split_experts=config.split_experts, admission=config.admission,
+                   mix_min_gain=config.mix_min_gain)
 
     def add_solve_time(self, seconds: float) -> None:
         """Count solver time here and in the context this one was split from."""

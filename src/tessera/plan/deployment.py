@@ -28,7 +28,9 @@ from typing import Any
 
 from tessera.errors import TesseraError
 
-PLAN_VERSION = 2  # 2: engine admission, the upper bound, `bound` renamed `bottleneck`
+PLAN_VERSION = 3  # 2: engine admission, the upper bound, `bound` renamed `bottleneck`; 3: the engine layout
+WHOLE, PREFILL, DECODE, SPLIT = "whole", "prefill", "decode", "split"  # engine roles
+ROLES = (WHOLE, PREFILL, DECODE, SPLIT)
 
 
 class PlanFileError(TesseraError):
@@ -62,6 +64,92 @@ class EngineAdmission:
     def kv_blocks(self) -> int | None:
         """Blocks of ``block_size`` tokens the engine's cache holds."""
         return None if self.kv_tokens is None else self.kv_tokens // self.block_size
+
+
+@dataclass(frozen=True)
+class PlannedEngine:
+    """One engine of a plan (derived by `tessera.plan.engines.engine_layout`): its roles (``whole``: serves requests from prompt to last token; ``prefill``:
+    computes prompts and hands their KV on; ``decode``: continues from handed-on KV; ``split``: a kernel-level
+    placement over several devices), the cluster targets and device ids it runs on, its admission
+    (``max_num_seqs``, cache tokens, block size) and the share of each device's memory it may use."""
+
+    name: str
+    roles: tuple[str, ...]
+    targets: tuple[str, ...]  # cluster placement targets (a target may be a group of GPUs of one type)
+    devices: tuple[str, ...]  # cluster device ids ("A100:0"), in target order
+    nodes: tuple[str, ...]  # the node of each device
+    max_num_seqs: int
+    kv_tokens: int | None  # cache tokens its memory holds (None: state does not grow with the context)
+    block_size: int
+    memory_fraction: float  # of each of its devices' memory (vLLM's gpu_memory_utilization)
+
+    @property
+    def runs_on_vllm(self) -> bool:
+        """Whether a whole-model engine (vLLM) can run it: one target, no kernel split."""
+        return SPLIT not in self.roles and len(self.targets) == 1
+
+    @property
+    def kv_role(self) -> str | None:
+        """Its side of a KV handoff: ``kv_producer`` (prefills for others), ``kv_consumer`` (decodes what
+        others prefilled, and computes a prompt itself when nothing was handed on), or None."""
+        if PREFILL in self.roles and DECODE in self.roles:
+            return "kv_both"
+        if PREFILL in self.roles:
+            return "kv_producer"
+        if DECODE in self.roles:
+            return "kv_consumer"
+        return None
+
+
+@dataclass(frozen=True)
+class PlannedRoute:
+    """A path requests take: ``hops`` are engine names (one: served whole; two: prefill, then decode), and
+    ``share`` the fraction of requests the plan sends along it."""
+
+    name: str
+    share: float
+    hops: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """A plan's engines and routes (empty for a plan that is not applicable or does not fit)."""
+
+    engines: tuple[PlannedEngine, ...] = ()
+    routes: tuple[PlannedRoute, ...] = ()
+
+    def engine(self, name: str) -> PlannedEngine:
+        """The engine named ``name`` (KeyError naming the engines it has)."""
+        for e in self.engines:
+            if e.name == name:
+                return e
+        raise KeyError(f"no engine {name!r}; the plan has: {', '.join(e.name for e in self.engines)}")
+
+    @property
+    def runnable_on(self) -> tuple[str, ...]:
+        """The serving engines that can run the layout: ``vllm`` where every engine is a whole-model engine
+        (no kernel split), ``tessera`` (its own runtime) where requests take one route, or one whole engine
+        each (request-dist's replicas), since that runtime runs one placement per engine and no mixes."""
+        if not self.engines:
+            return ()
+        vllm = all(e.runs_on_vllm for e in self.engines)
+        tessera = len(self.routes) == 1 or all(len(r.hops) == 1 and WHOLE in self.engine(r.hops[0]).roles
+                                               and len(self.engine(r.hops[0]).roles) == 1 for r in self.routes)
+        return tuple(name for name, ok in (("vllm", vllm), ("tessera", tessera)) if ok)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"engines": [e.__dict__ | {"roles": list(e.roles), "targets": list(e.targets),
+                                          "devices": list(e.devices), "nodes": list(e.nodes)} for e in self.engines],
+                "routes": [r.__dict__ | {"hops": list(r.hops)} for r in self.routes]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineLayout:
+        """The layout written by :meth:`to_dict` (KeyError / TypeError on missing or unknown fields)."""
+        engines = tuple(PlannedEngine(**{**e, "roles": tuple(e["roles"]), "targets": tuple(e["targets"]),
+                                         "devices": tuple(e["devices"]), "nodes": tuple(e["nodes"])})
+                        for e in d["engines"])
+        routes = tuple(PlannedRoute(**{**r, "hops": tuple(r["hops"])}) for r in d["routes"])
+        return cls(engines, routes)
 
 
 @dataclass
@@ -147,6 +235,7 @@ class DeploymentPlan:
     bottleneck: str = ""  # what limits throughput
     admission: EngineAdmission | None = None  # per engine (request-dist: per device type, in extra["replicas"])
     bound: float | None = None  # the case's upper bound on throughput (fractional kernels, least transfers)
+    layout: EngineLayout = field(default_factory=lambda: EngineLayout())  # its engines and routes
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -168,11 +257,13 @@ class DeploymentPlan:
                 "micro_batches": decode.micro_batches if decode else None,
                 "memory_gb": [round(b / 1e9, 3) for b in self.memory_bytes], "bottleneck": self.bottleneck,
                 "admission": asdict(self.admission) if self.admission else None, "bound": self.bound,
-                "mix_declined": self.extra.get("mix_declined")}
+                "mix_declined": self.extra.get("mix_declined"), "runs_on": list(self.layout.runnable_on),
+                "engines": [e.name for e in self.layout.engines]}
 
     def to_dict(self) -> dict[str, Any]:
         """The plan file's JSON form."""
         d = asdict(self)
+        d["layout"] = self.layout.to_dict()
         d["version"] = PLAN_VERSION
         return d
 
@@ -197,7 +288,8 @@ class DeploymentPlan:
             steps = [StepPlan(**s) for s in d.pop("steps")]
             moves = [StateMove(**m) for m in d.pop("state_moves")]
             admission = d.pop("admission", None)
-            return cls(**d, steps=steps, state_moves=moves,
+            layout = EngineLayout.from_dict(d.pop("layout"))
+            return cls(**d, steps=steps, state_moves=moves, layout=layout,
                        admission=EngineAdmission(**admission) if admission else None)
         except (TypeError, KeyError) as e:
             raise PlanFileError(f"plan file {path}: missing or unknown fields ({e})") from None

@@ -7,6 +7,7 @@ from tessera.plan.bound import upper_bound
 from tessera.plan.config import POLICIES, check_policy
 from tessera.plan.context import PlanContext, PlanningError
 from tessera.plan.deployment import DeploymentPlan
+from tessera.plan.engines import engine_layout
 from tessera.plan.milp import SolverError
 from tessera.plan.policies import (
     applicability,
@@ -54,10 +55,12 @@ def baselines(ctx: PlanContext, objective: str = "throughput") -> list[Deploymen
 
 
 def with_bound(ctx: PlanContext, plans: list[DeploymentPlan]) -> list[DeploymentPlan]:
-    """The plans with the case's upper bound on throughput set (computed once per context)."""
+    """The plans with the case's upper bound on throughput set (computed once per context), and the engines
+    and routes that serve each (`tessera.plan.engines`)."""
     bound = upper_bound(ctx).throughput
     for p in plans:
         p.bound = bound
+        p.layout = engine_layout(p, ctx.cluster, ctx.admission.memory_utilization)
     return plans
 
 

@@ -29,7 +29,7 @@ from tessera.cost.features import block_of
 from tessera.errors import TesseraError
 from tessera.graph.layers import layer_structure
 from tessera.plan.admission import MemoryShape, admit, round_batch
-from tessera.plan.config import PolicyError
+from tessera.plan.config import DEFAULT_MIX_MIN_GAIN, PolicyError
 from tessera.plan.context import Chosen, PhaseSpec, PlanContext, PlanningError
 from tessera.plan.deployment import DeploymentPlan
 from tessera.plan.fold import layer_groups, merge
@@ -51,10 +51,7 @@ EXPERT_PARTS = 2  # expert groups per grouped GEMM when Tessera splits an MoE la
 OTHER_PHASE_TIME_SHARE = 0.3  # of a step solve's time limit for the phases a request needs once (prefill)
 MIN_ROUTE_BATCH = 16  # the fewest sequences a smaller engine of a route mix admits
 ROUTE_BATCH_SHARES = tuple(k / 16 for k in range(8, 1, -1))  # smaller engines: 8/16 .. 2/16 of the full engine
-# A route mix is Tessera's plan only when it beats the best single-engine plan by this much: simulated against
-# planned, mixes came out from 6.5 points below to 4.7 points above the single engines of the same case
-# (benchmarks/README.md), so a smaller predicted gain does not tell them apart
-MIX_MIN_GAIN = 0.05
+MIX_MIN_GAIN = DEFAULT_MIX_MIN_GAIN  # the default of --mix-min-gain (see tessera.plan.config)
 
 
 
@@ -683,11 +680,12 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
     if best is None:
         raise PlanningError("Tessera found no plan that fits the devices' memory")
     mix = route_mix(ctx, objective, [*(baselines or []), best])
-    if mix is not None and mix.throughput >= best.throughput * (1 + MIX_MIN_GAIN):
+    gain = ctx.mix_min_gain
+    if mix is not None and mix.throughput >= best.throughput * (1 + gain) and mix.throughput > best.throughput:
         best = mix
     elif mix is not None and mix.throughput > best.throughput:
         best.extra["mix_declined"] = (f"{mix.reason} planned {mix.throughput / best.throughput - 1:+.1%}, below the "
-                                      f"{MIX_MIN_GAIN:.0%} a mix must gain over one engine")
+                                      f"{gain:.0%} a mix must gain over one engine (--mix-min-gain)")
     if stopped:
         best.extra["search"] = stopped
     return best

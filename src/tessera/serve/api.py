@@ -39,10 +39,10 @@ def create_app(target: Engine | Lifecycle, model_id: str, api_key: str | None = 
     get 413."""
     lifecycle = Lifecycle.of(target)
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None, openapi_url=None)
-    _add_error_handlers(app)
+    add_error_handlers(app)
     if api_key is not None:
-        app.add_middleware(_APIKey, key=api_key)
-    app.add_middleware(_BodyLimit, limit=max_body_bytes)  # outermost: before the key check reads anything
+        app.add_middleware(APIKeyCheck, key=api_key)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)  # outermost: before the key check reads anything
     _add_routes(app, _Current(lifecycle, model_id), PrometheusMetrics(lifecycle))
     return app
 
@@ -104,29 +104,29 @@ def _response(result: dict[str, Any] | EventStream | None) -> Response:
     return JSONResponse(result)
 
 
-def _error(err: APIError) -> JSONResponse:
+def error_response(err: APIError) -> JSONResponse:
     """An error as its OpenAI error object and HTTP status."""
     return JSONResponse(err.body(), status_code=err.status)
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI) -> None:
     """Answer every error, the framework's own included, with an OpenAI error object."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error(exc)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(invalid_request(list(exc.errors())))
+        return error_response(invalid_request(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(APIError(exc.status_code, str(exc.detail), type_))
+        return error_response(APIError(exc.status_code, str(exc.detail), type_))
 
 
-class _BodyLimit:
+class BodyLimit:
     """ASGI middleware: a request body over ``limit`` bytes is answered 413 without reading the rest (a
     declared Content-Length at once; a chunked body as soon as it passes the limit)."""
 
@@ -136,7 +136,7 @@ class _BodyLimit:
     async def _refuse(self, scope, receive, send, size: str) -> None:
         err = APIError(413, f"the request body is {size}, over this server's limit of {self.limit} bytes "
                             "(--max-body-bytes): shorten the prompt", code="request_too_large")
-        response = _error(err)
+        response = error_response(err)
         response.headers["Connection"] = "close"
         await response(scope, receive, send)
 
@@ -147,7 +147,7 @@ class _BodyLimit:
         length = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
         if length is not None:
             if not length.isdigit():
-                await _error(APIError(400, "the Content-Length header is not a number"))(scope, receive, send)
+                await error_response(APIError(400, "the Content-Length header is not a number"))(scope, receive, send)
             elif int(length) > self.limit:
                 await self._refuse(scope, receive, send, f"{int(length)} bytes")
             else:
@@ -178,7 +178,7 @@ class _BodyLimit:
         await self.app(scope, replay, send)
 
 
-class _APIKey:
+class APIKeyCheck:
     """ASGI middleware: every /v1 request needs ``Authorization: Bearer <key>`` (a pure ASGI layer, so
     streamed responses and client disconnects pass through untouched)."""
 
@@ -192,9 +192,9 @@ class _APIKey:
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
                 message = ("no API key given: send the header 'Authorization: Bearer <key>'" if not given
                            else "incorrect API key provided")
-                await _error(APIError(401, message, code="invalid_api_key"))(scope, receive, send)
+                await error_response(APIError(401, message, code="invalid_api_key"))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
-__all__ = ["create_app"]
+__all__ = ["STREAM_HEADERS", "APIKeyCheck", "BodyLimit", "add_error_handlers", "create_app", "error_response"]

@@ -39,46 +39,46 @@ class PrometheusMetrics:
         """Every metric as Prometheus text, as the engine stands now."""
         lines: list[str] = []
         state = self.lifecycle.state
-        _metric(lines, "tessera_server_state", "gauge", "The server's state (1 = current).",
+        metric(lines, "tessera_server_state", "gauge", "The server's state (1 = current).",
                 [(f'{{state="{s}"}}', 1 if s == state else 0) for s in STATES])
         e = self.lifecycle.engine
         up = e is not None and e.running and e.error is None
-        _metric(lines, "tessera_engine_up", "gauge", "1 while the engine thread runs and can serve.",
+        metric(lines, "tessera_engine_up", "gauge", "1 while the engine thread runs and can serve.",
                 [("", 1 if up else 0)])
         if e is None:
             return "\n".join(lines) + "\n"
         stats = e.stats
         tokens = stats.tokens
         queued, in_flight = e.queue_depth()
-        _metric(lines, "tessera_generated_tokens_total", "counter", "Tokens generated.", [("", tokens)])
-        _metric(lines, "tessera_completed_requests_total", "counter", "Requests that finished (stop or length).",
+        metric(lines, "tessera_generated_tokens_total", "counter", "Tokens generated.", [("", tokens)])
+        metric(lines, "tessera_completed_requests_total", "counter", "Requests that finished (stop or length).",
                 [("", stats.completed)])
-        _metric(lines, "tessera_engine_steps_total", "counter", "Engine steps run.", [("", stats.steps)])
-        _metric(lines, "tessera_tokens_per_second", "gauge", "Tokens generated per second over the last minute of "
+        metric(lines, "tessera_engine_steps_total", "counter", "Engine steps run.", [("", stats.steps)])
+        metric(lines, "tessera_tokens_per_second", "gauge", "Tokens generated per second over the last minute of "
                 "scrapes (since the server started on the first scrape).",
                 [("", self.tokens_per_second(time.monotonic(), tokens))])
         _histogram(lines, "tessera_ttft_seconds", "Time to first token of each request.", stats.ttft)
         _histogram(lines, "tessera_tpot_seconds", "Time per output token after the first, per request.", stats.tpot)
-        _metric(lines, "tessera_queue_depth", "gauge", "Requests waiting for a slot, and in flight.",
+        metric(lines, "tessera_queue_depth", "gauge", "Requests waiting for a slot, and in flight.",
                 [('{state="queued"}', queued), ('{state="in_flight"}', in_flight)])
-        _metric(lines, "tessera_active_plan", "gauge", "The objective whose step plans the engine runs (1 = active).",
+        metric(lines, "tessera_active_plan", "gauge", "The objective whose step plans the engine runs (1 = active).",
                 [(f'{{objective="{o}"}}', 1 if e.objective == o else 0) for o in ("latency", "throughput")])
-        _metric(lines, "tessera_plan_switches_total", "counter", "Plan switches made by the online monitor.",
+        metric(lines, "tessera_plan_switches_total", "counter", "Plan switches made by the online monitor.",
                 [("", e.monitor.switch_count)])
-        _metric(lines, "tessera_step_seconds_total", "counter", "Seconds spent running steps, per objective.",
+        metric(lines, "tessera_step_seconds_total", "counter", "Seconds spent running steps, per objective.",
                 [(f'{{objective="{o}"}}', s) for o, s in sorted(dict(stats.step_s).items())])
-        _metric(lines, "tessera_device_busy_seconds_total", "counter", "Seconds each device spent computing kernels.",
-                [(f'{{device="{_label(d)}"}}', s) for d, s in sorted(e.backend.busy_s().items())])
-        _metric(lines, "tessera_failed_requests_total", "counter", "Requests ended by a server-side failure "
+        metric(lines, "tessera_device_busy_seconds_total", "counter", "Seconds each device spent computing kernels.",
+                [(f'{{device="{label_value(d)}"}}', s) for d, s in sorted(e.backend.busy_s().items())])
+        metric(lines, "tessera_failed_requests_total", "counter", "Requests ended by a server-side failure "
                 "(a failed step, lost workers, a shutdown past its grace period).", [("", stats.failed)])
-        _metric(lines, "tessera_failed_steps_total", "counter", "Engine steps that failed (their requests failed, "
+        metric(lines, "tessera_failed_steps_total", "counter", "Engine steps that failed (their requests failed, "
                 "the others went on).", [("", stats.failed_steps)])
-        _metric(lines, "tessera_recoveries_total", "counter", "Lost workers re-planned onto the survivors while "
+        metric(lines, "tessera_recoveries_total", "counter", "Lost workers re-planned onto the survivors while "
                 "serving.", [("", stats.recoveries)])
         return "\n".join(lines) + "\n"
 
 
-def _metric(lines: list[str], name: str, kind: str, help_: str, values: list[tuple[str, float]]) -> None:
+def metric(lines: list[str], name: str, kind: str, help_: str, values: list[tuple[str, float]]) -> None:
     """One metric's HELP and TYPE lines and a sample per (labels, value)."""
     lines.append(f"# HELP {name} {help_}")
     lines.append(f"# TYPE {name} {kind}")
@@ -103,9 +103,9 @@ def _num(v: float) -> str:
     return repr(float(v)) if isinstance(v, float) else str(v)
 
 
-def _label(text: str) -> str:
+def label_value(text: str) -> str:
     """A label value, escaped."""
     return str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-__all__ = ["CONTENT_TYPE", "PrometheusMetrics"]
+__all__ = ["CONTENT_TYPE", "PrometheusMetrics", "label_value", "metric"]

@@ -22,6 +22,7 @@ import uvicorn
 from tessera.errors import TesseraError
 from tessera.serve.api import MAX_BODY_BYTES, create_app
 from tessera.serve.config import ServeConfig
+from tessera.serve.connections import HTTPLimits, server_config
 from tessera.serve.lifecycle import Lifecycle
 
 FLUSH_S = 0.3  # after the last error events, time for the event loop to write them before closing
@@ -29,12 +30,14 @@ FLUSH_S = 0.3  # after the last error events, time for the event loop to write t
 
 @dataclass(frozen=True)
 class ServerOptions:
-    """How the HTTP side runs: the model id served, the API key, the body limit and the shutdown grace."""
+    """How the HTTP side runs: the model id served, the API key, the body limit, the shutdown grace and the
+    limits on slow, idle and too many clients (``serve.connections``)."""
 
     model_id: str
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     shutdown_timeout_s: float = 10.0
+    limits: HTTPLimits = HTTPLimits()
 
 
 class _Server(uvicorn.Server):
@@ -71,8 +74,8 @@ def run_server(cfg: ServeConfig, sock: socket.socket, options: ServerOptions, lo
 
     lifecycle = Lifecycle()
     app = create_app(lifecycle, options.model_id, options.api_key, options.max_body_bytes)
-    server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5), lifecycle,
-                     options.shutdown_timeout_s, log)
+    config = server_config(app, options.limits, log_level="warning", timeout_graceful_shutdown=5)
+    server = _Server(config, lifecycle, options.shutdown_timeout_s, log)
     code = [0]
 
     def fatal(error: BaseException) -> None:  # on the engine thread, after every request got its error
