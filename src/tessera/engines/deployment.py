@@ -12,7 +12,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from tessera.engines.vllm import EngineLaunch, Placement, VLLMOptions, VLLMSetupError, vllm_launch
+from tessera.engines.vllm import (
+    NIXL_SIDE_CHANNEL_PORT,
+    EngineLaunch,
+    Placement,
+    VLLMOptions,
+    VLLMSetupError,
+    vllm_launch,
+)
 from tessera.hardware.catalog import HOST_ID
 from tessera.plan.deployment import DeploymentPlan, PlannedRoute
 from tessera.runtime.target_map import plan_target_map
@@ -53,7 +60,7 @@ def runnable(plan: DeploymentPlan, source: str) -> None:
 def gpu_deployment(plan: DeploymentPlan, options: VLLMOptions, first_port: int = 8100,
                    host: str = "0.0.0.0") -> Deployment:
     """The plan's engines on its GPU cluster: each on its own devices, ports counted up from ``first_port``
-    per node."""
+    per node; a node's name stands for its address (NIXL's handshake channel, the router's engine URLs)."""
     runnable(plan, "the plan")
     gpu_index = _gpu_indices(plan)
     launches, next_port, side = [], {}, {}
@@ -67,7 +74,7 @@ def gpu_deployment(plan: DeploymentPlan, options: VLLMOptions, first_port: int =
         side[node] = side.get(node, 0) + 1
         placement = Placement(node, gpus=tuple(gpu_index[d] for d in engine.devices))
         launches.append(vllm_launch(engine, placement, port, options, host,
-                                    side_channel_port=5600 + side[node] - 1))
+                                    side_channel_port=NIXL_SIDE_CHANNEL_PORT + side[node] - 1))
     return Deployment(plan, tuple(launches), plan.layout.routes)
 
 

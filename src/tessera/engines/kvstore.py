@@ -2,8 +2,8 @@
 
 vLLM's ``ExampleConnector`` writes each prompt's KV (every layer, one file each) into a folder named by a
 hash of the prompt's tokens and never deletes it; the decode engine reads it within moments. The store is
-put in shared memory (``/dev/shm``) where the host has it, and `StoreCleaner` removes entries older than a
-minute, so a long run neither fills the disk nor slows down on it.
+put in shared memory (``/dev/shm``) where the host has it, and `StoreCleaner` removes entries older than five
+minutes, so a long run neither fills the memory nor slows down on it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-MAX_AGE_S = 60.0
+MAX_AGE_S = 300.0  # far longer than a decode call waits behind its prefill
 SHM = Path("/dev/shm")
 
 

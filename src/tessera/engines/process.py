@@ -130,7 +130,8 @@ class Supervisor:
         t0 = time.monotonic()
         for name, p in self.processes.items():
             self.status[name].pid = p.start()
-            self.say(f"starting engine {name} on {p.launch.placement.node} at {p.launch.url} (log: {p.log})")
+            self.say(f"starting engine {name} on {p.launch.placement.node} at {p.launch.url} (pid {p.proc.pid}, log: "
+                     f"{p.log})")
         waiting, said = set(self.processes), t0
         while waiting:
             for name in sorted(waiting):
@@ -162,6 +163,8 @@ class Supervisor:
     def stop(self) -> None:
         """Stop watching and stop every engine."""
         self._stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(30)  # a restart under way ends first, or its new process would outlive stop()
         threads = [threading.Thread(target=p.stop, daemon=True) for p in self.processes.values()]
         for t in threads:
             t.start()

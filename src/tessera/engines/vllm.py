@@ -9,8 +9,11 @@ through ``VLLM_CPU_OMP_THREADS_BIND``), and the KV connector of its role.
 KV handoff between a prefill engine and a decode engine goes through vLLM's KV-connector interface:
 - ``example`` (vLLM's ``ExampleConnector``): the producer writes each prompt's KV under a shared folder,
   keyed by the prompt's tokens, and the consumer loads it when the same prompt arrives. It runs on the CPU
-  (the only stock connector that does) and needs no parameters between the two calls; used for cpu
-  stand-ins.
+  (the only stock connector that does) and needs no parameters between the two calls. It is not safe to
+  crash or share: a prefill engine killed mid-write leaves a folder that kills the decode engine's core.
+- ``tessera-store`` (Tessera's ``TesseraStoreConnector``, `tessera/engines/plugins/tessera_kv_store.py`,
+  loaded by vLLM by module path): the example connector with a completion marker per prompt, so a partial
+  folder is never read and a complete one never rewritten. The default for cpu stand-ins.
 - ``nixl`` (``NixlConnector``): GPU memory to GPU memory over UCX; both sides ``kv_both``, the prefill
   response's ``kv_transfer_params`` passed to the decode call. What a GPU cluster uses.
 """
@@ -26,7 +29,8 @@ from pathlib import Path
 from tessera.errors import TesseraError
 from tessera.plan.deployment import PlannedEngine
 
-CONNECTORS = ("example", "nixl")
+CONNECTORS = ("tessera-store", "example", "nixl")
+PLUGINS = Path(__file__).resolve().parent / "plugins"  # vLLM imports Tessera's connector from here
 CPU_KV_BYTES = 1 << 30  # KV cache of one engine standing in for a GPU on this host's memory
 # vLLM's CPU backend wants blocks of a multiple of 32 tokens (its default is 128); the example connector hands
 # on whole blocks of a prompt, so smaller blocks hand on more of a short prompt
@@ -53,7 +57,7 @@ class VLLMOptions:
     dtype: str = "bfloat16"
     enforce_eager: bool = True
     prefix_caching: bool = True
-    connector: str = "example"
+    connector: str = "tessera-store"
     kv_store: str | None = None  # shared folder of the example connector
     cpu_kv_bytes: int = CPU_KV_BYTES
     extra_args: tuple[str, ...] = ()
@@ -62,8 +66,8 @@ class VLLMOptions:
         """Raise `VLLMSetupError` for an option that cannot work."""
         if self.connector not in CONNECTORS:
             raise VLLMSetupError(f"--kv-connector must be one of {', '.join(CONNECTORS)} (got {self.connector!r})")
-        if self.connector == "example" and not self.kv_store:
-            raise VLLMSetupError("the example KV connector needs a shared folder (kv_store)")
+        if self.connector in ("example", "tessera-store") and not self.kv_store:
+            raise VLLMSetupError(f"the {self.connector} KV connector needs a shared folder (kv_store)")
         if self.max_model_len < 16:
             raise VLLMSetupError(f"--max-model-len must be at least 16 (got {self.max_model_len})")
         if self.cpu_kv_bytes < 1 << 20:
@@ -133,7 +137,8 @@ def check_python(python: str) -> None:
 
 def vllm_launch(engine: PlannedEngine, placement: Placement, port: int, options: VLLMOptions,
                 host: str = "127.0.0.1", side_channel_port: int | None = None) -> EngineLaunch:
-    """The vLLM server that runs ``engine`` at ``placement`` listening on ``host:port``."""
+    """The vLLM server that runs ``engine`` at ``placement`` listening on ``host:port`` (NIXL's handshake
+    channel on ``side_channel_port`` at the address of its node, as the other engines reach it)."""
     if not engine.runs_on_vllm:
         raise VLLMSetupError(f"engine {engine.name} splits kernels over {', '.join(engine.targets)}; vLLM runs whole "
                              "models only: serve this plan with --engine tessera, or plan a policy whose engines "
@@ -163,8 +168,10 @@ def vllm_launch(engine: PlannedEngine, placement: Placement, port: int, options:
     if engine.kv_role is not None:
         config, connector = _connector(engine, options), options.connector
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+        if options.connector == "tessera-store":
+            env["PYTHONPATH"] = str(PLUGINS)
         if options.connector == "nixl":
-            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = placement.node if placement.on_gpu else host
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port or NIXL_SIDE_CHANNEL_PORT)
     argv += list(options.extra_args)
     return EngineLaunch(engine, tuple(argv), env, placement, host, port, connector, tuple(notes))
@@ -174,8 +181,11 @@ def _connector(engine: PlannedEngine, options: VLLMOptions) -> dict:
     """The ``--kv-transfer-config`` of a prefill or decode engine."""
     if options.connector == "nixl":  # NIXL's handshake goes both ways: each side is kv_both
         return {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
-    return {"kv_connector": "ExampleConnector", "kv_role": engine.kv_role,
-            "kv_connector_extra_config": {"shared_storage_path": options.kv_store}}
+    config = {"kv_connector": "ExampleConnector", "kv_role": engine.kv_role,
+              "kv_connector_extra_config": {"shared_storage_path": options.kv_store}}
+    if options.connector == "tessera-store":
+        config.update(kv_connector="TesseraStoreConnector", kv_connector_module_path="tessera_kv_store")
+    return config
 
 
 def _ranges(cores: tuple[int, ...]) -> str:

@@ -65,6 +65,8 @@ async def prefill(client: httpx.AsyncClient, endpoint: Endpoint, path: str, body
     except CONNECT_ERRORS as e:
         endpoint.failures += 1
         return None, f"prefill engine {endpoint.name} unreachable ({type(e).__name__})"
+    except httpx.TimeoutException as e:  # a slow prefill is skipped too, not a 500
+        return None, f"prefill engine {endpoint.name} did not answer within {timeout:g} s ({type(e).__name__})"
     if r.status_code != 200:
         return None, f"prefill engine {endpoint.name} answered {r.status_code}"
     try:
@@ -78,6 +80,8 @@ async def forward(client: httpx.AsyncClient, hops: Hops, path: str, body: dict[s
                   prefilled: Callable[[], None] = lambda: None) -> Upstream:
     """Send ``body`` along ``hops`` (to ``path``, e.g. ``/v1/completions``); the decode engine's answer.
     ``prefilled`` is called once the prefill hop is over (whether it worked or not).
+
+    A decode engine that does not answer within ``timeout`` gives a 504 ``engine_timeout`` error.
 
     Raises:
         EngineLost: the decode engine could not be reached or dropped the connection before answering.
@@ -99,6 +103,10 @@ async def forward(client: httpx.AsyncClient, hops: Hops, path: str, body: dict[s
     except CONNECT_ERRORS as e:
         target.failures += 1
         raise EngineLost(target, e) from None
+    except httpx.TimeoutException as e:  # alive but too slow: an OpenAI error, not a 500
+        err = APIError(504, f"engine {target.name} did not answer within {timeout:g} s ({type(e).__name__})",
+                       "server_error", code="engine_timeout")
+        return Upstream(504, err.body(), prefill_fallback=skipped)
     if not stream or response.status_code != 200:
         try:
             data = (await response.aread()) if stream else response.content

@@ -123,7 +123,7 @@ def prepare_vllm(cfg: VLLMServeConfig, log: Callable[[str], None]) -> Prepared:
     logs = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="tessera-vllm-"))
     store = new_store(logs)
     options = VLLMOptions(cfg.python, folder, cfg.model, cfg.max_model_len, enforce_eager=cfg.enforce_eager,
-                          prefix_caching=cfg.prefix_caching, connector="example", kv_store=str(store),
+                          prefix_caching=cfg.prefix_caching, connector="tessera-store", kv_store=str(store),
                           cpu_kv_bytes=cfg.kv_bytes, extra_args=cfg.extra_args)
     options.check()
     deployment = cpu_deployment(plan, len(cluster.devices), options, free_ports(len(plan.layout.engines)))
@@ -155,6 +155,12 @@ def router_for(deployment_routes: tuple[PlannedRoute, ...], engines: dict[str, t
         def status() -> dict[str, dict]:
             return {n: {"state": s.state, "detail": s.detail, "restarts": s.restarts, "exits": s.exits}
                     for n, s in supervisor.status.items()}
+
+        def changed(name: str, state: str, detail: str) -> None:  # a process seen ending or healthy: at once
+            if name in endpoints:
+                endpoints[name].state, endpoints[name].detail = state, detail
+
+        supervisor.listeners.append(changed)
     return Router(table, options, status)
 
 
