@@ -16,6 +16,8 @@ demo: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/tessera plan llama-3.1-8b --cluster A100:1,L40S:1 --compare -o out/demo/plan.json
 	$(BIN)/tessera run smollm2-135m --cluster cpu:2 --placement-for A100:1,L40S:1 --policy tessera \
 		--prompt "The capital of France is" --max-tokens 16 --check
+	$(BIN)/tessera deploy out/demo/plan.json
+	$(BIN)/python examples/serve_on_vllm.py
 
 test: lint $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q

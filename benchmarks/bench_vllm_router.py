@@ -1,0 +1,141 @@
+"""`tessera bench` against vLLM engines behind Tessera's router, beside the same engines reached directly and
+Tessera's own engine, on the same cores in the same run.
+
+Deployments (smollm2-135m, each GPU target of a plan stood in for by one cpu worker of this host):
+- ``vllm-1``: one vLLM engine on every core (a homogeneous plan on cpu:1), benched directly AND through the
+  router in front of it (the router's own cost: same engine, back to back);
+- ``request-dist``: two replicas, one core each, behind the router (planned for A100:1,L40S:1);
+- ``prefill-decode``: prefill engine and decode engine, one core each, KV handed over (planned for A100:1,L40S:1);
+- ``mix``: the route mix planned for A100:1,L40S:1 at --mix-min-gain 0 (whole on the L40S, prefill on the
+  L40S and decode on the A100: three engines on two cores);
+- ``tessera``: `tessera serve --cluster cpu:2` (Tessera's own kernel-level runtime, its default policy).
+
+Every vLLM engine runs with prefix caching off (the bench's prompts repeat one word) and eager mode.
+Usage: ``python benchmarks/bench_vllm_router.py [--only vllm-1,mix] [--skip tessera] [--json OUT]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+TESSERA = [sys.executable, "-m", "tessera"]
+MODEL = "smollm2-135m"
+WORKLOADS = ("fixed:in=64,out=32,requests=32", "fixed:in=256,out=128,requests=64")
+MIX_PLAN = ROOT / "tests" / "fixtures" / "plans" / "smollm2-135m_A100_L40S_mix.json"
+VLLM = ["--engine", "vllm", "--no-prefix-caching", "--max-context", "1024"]
+DEPLOYMENTS = {
+    "vllm-1": ["--cluster", "cpu:1", *VLLM, "--policy", "homogeneous", "--placement-for", "A100:1"],
+    "request-dist": ["--cluster", "cpu:2", *VLLM, "--policy", "request-dist", "--placement-for", "A100:1,L40S:1"],
+    "prefill-decode": ["--cluster", "cpu:2", *VLLM, "--policy", "prefill-decode", "--placement-for",
+                       "A100:1,L40S:1"],
+    "mix": ["--cluster", "cpu:2", *VLLM, "--plan", str(MIX_PLAN)],
+    "tessera": ["--cluster", "cpu:2", "--slots", "64", "--max-context", "512"],
+}
+
+
+def start(name: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """Start deployment ``name``; (process, router URL) once /health says ok."""
+    out = open(log, "w")
+    proc = subprocess.Popen([*TESSERA, "serve", MODEL, "--port", "0", *DEPLOYMENTS[name]], stdout=out,
+                            stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "COLUMNS": "300"})
+    deadline = time.monotonic() + 900
+    url = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited:\n{log.read_text()[-3000:]}")
+        m = re.search(r"(?:router )?listening at (http://\S+)", log.read_text())
+        if m:
+            url = m.group(1)
+            try:
+                r = httpx.get(url + "/health", timeout=5)
+                if r.status_code == 200 and r.json().get("status") in ("ok", "serving"):
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+        time.sleep(1)
+    raise RuntimeError(f"{name} not up after 900 s (url {url})")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def bench(url: str, workload: str) -> dict:
+    """`tessera bench --json` of ``workload`` against ``url``."""
+    r = subprocess.run([*TESSERA, "bench", "--url", url, "--workload", workload, "--model", MODEL, "--json"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(f"bench {workload} at {url} failed:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout)
+
+
+def row(name: str, workload: str, s: dict) -> str:
+    return (f"{name:<28} {workload:<36} {s['throughput']:>8.1f} {s['ttft_p50_s'] * 1e3:>10.0f} "
+            f"{s['tpot_p50_s'] * 1e3:>9.1f} {s['completed']:>4}/{s['requests']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=",".join(DEPLOYMENTS))
+    ap.add_argument("--skip", default="")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--logs", type=Path, default=Path("/tmp/bench_vllm_router"))
+    args = ap.parse_args()
+    names = [n for n in args.only.split(",") if n and n not in args.skip.split(",")]
+    args.logs.mkdir(parents=True, exist_ok=True)
+    print(f"# machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}; "
+          f"{time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"{'deployment':<28} {'workload':<36} {'tok/s':>8} {'TTFT p50':>10} {'TPOT p50':>9} done")
+    results = []
+    for name in names:
+        proc, url = start(name, args.logs / f"{name}.log")
+        try:
+            engines = httpx.get(url + "/health", timeout=5).json().get("engines", {})
+            for workload in WORKLOADS:
+                if name == "vllm-1":  # the same engine directly and through the router, twice, alternating
+                    (engine_url,) = [e["url"] for e in engines.values()]
+                    for attempt in (1, 2):
+                        for label, target in (("vllm-1 direct", engine_url), ("vllm-1 via router", url)):
+                            s = bench(target, workload)
+                            results.append({"deployment": label, "attempt": attempt, "workload": workload, **s})
+                            print(row(f"{label} #{attempt}", workload, s), flush=True)
+                else:
+                    s = bench(url, workload)
+                    results.append({"deployment": name, "workload": workload, **s})
+                    print(row(name, workload, s), flush=True)
+        finally:
+            stop(proc)
+    overhead = [(w, [r for r in results if r["workload"] == w and r["deployment"].startswith("vllm-1")])
+                for w in WORKLOADS]
+    for w, rs in overhead:
+        direct = [r for r in rs if r["deployment"] == "vllm-1 direct"]
+        routed = [r for r in rs if r["deployment"] == "vllm-1 via router"]
+        if direct and routed:
+            d_tp = sum(r["throughput"] for r in direct) / len(direct)
+            r_tp = sum(r["throughput"] for r in routed) / len(routed)
+            d_ttft = sum(r["ttft_p50_s"] for r in direct) / len(direct)
+            r_ttft = sum(r["ttft_p50_s"] for r in routed) / len(routed)
+            print(f"router cost at {w}: throughput {r_tp / d_tp - 1:+.1%}, TTFT p50 {(r_ttft - d_ttft) * 1e3:+.0f} ms "
+                  f"(mean of {len(direct)} runs each)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
