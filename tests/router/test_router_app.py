@@ -4,12 +4,16 @@ through unchanged; a prefill-decode route sends the prefill engine a one-token, 
 ``kv_transfer_params`` for the ``nixl`` connector, none for ``example``) and the decode engine the client's
 body (with the prefill answer's ``kv_transfer_params`` for ``nixl``); streams are relayed in order; an
 engine lost mid-stream ends the stream with an ``engine_lost`` error event and ``[DONE]`` and shows in
-/health and /metrics; a stopped prefill engine leaves requests to the decode engine (``X-Tessera-Fallback``,
-counted); ``max_in_flight`` answers 429 with Retry-After; wrong models, wrongly typed bodies and missing API
-keys are refused before any engine sees them; a router not ready answers 503; SIGTERM drains."""
+/health and /metrics, and a client gone mid-stream releases its request; a stopped, unreachable or too
+slow prefill engine leaves requests to the decode engine (``X-Tessera-Fallback``, counted); a decode engine
+too slow for the timeout gets a 504 OpenAI error; no open route answers 503 naming the engines down; a
+supervisor's states and counts show in /health and /metrics; ``max_in_flight`` answers 429 with
+Retry-After; wrong models, wrongly typed bodies and missing API keys are refused before any engine sees
+them; a router not ready answers 503; SIGTERM drains."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
@@ -18,16 +22,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 import tessera.router.app as app_module
 import tessera.router.server as server_module
+from tessera.engines.process import EngineStatus
 from tessera.plan.deployment import DECODE, PREFILL, WHOLE, PlannedEngine, PlannedRoute
-from tessera.router.app import Router, RouterOptions
+from tessera.router.app import Router, RouterOptions, render_metrics
 from tessera.router.forward import NIXL_PREFILL_PARAMS
-from tessera.router.launch import router_for
+from tessera.router.launch import free_ports, router_for
 from tessera.router.server import run_router
 from tessera.serve.connections import HTTPLimits
 from tests.router.stub_engines import KV_PARAMS, StubEngine
@@ -281,6 +287,63 @@ def test_a_decode_engine_lost_mid_stream_ends_the_stream_with_an_error_event(dep
     assert d.health()["status"] == "degraded"
 
 
+def test_a_client_gone_mid_stream_releases_its_request(deploy):
+    d = deploy(PD_ONLY, connector="example", stubs={"decode": {"events": 100, "delay_s": 0.05}})
+    with d.stream("/v1/completions", completion(stream=True)) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        next(lines)
+        assert sample(d.metrics(), "tessera_router_in_flight") == 1
+    # the response closed unread: the router drops the request and the engine's stream
+    wait_for(lambda: sample(d.metrics(), "tessera_router_in_flight") == 0, "the request to be released")
+    m = d.metrics()
+    assert sample(m, "tessera_engine_in_flight", '{engine="decode"}') == 0
+    assert sample(m, "tessera_engine_in_flight", '{engine="prefill"}') == 0
+    assert sample(m, "tessera_engine_failures_total", '{engine="decode"}') == 0  # not the engine's fault
+    assert d.health()["status"] == "ok"
+
+
+def test_no_route_open_answers_503_naming_the_engines_down(deploy):
+    d = deploy(WHOLE_ONLY)
+    d.stubs["whole"].stop()
+    wait_for(lambda: d.health()["status"] == "down", "the router to see the engine down")
+    assert d.get("/health").status_code == 503
+    r = d.post("/v1/completions", completion())
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "no_route" and "whole (down" in r.json()["error"]["message"]
+    assert sample(d.metrics(), "tessera_router_rejected_total", '{reason="no_route"}') == 1
+
+
+def test_a_supervisors_states_and_counts_show_in_health_and_metrics():
+    """No server: one health poll of an engine that does not answer while its supervisor restarts it."""
+    (port,) = free_ports(1)  # nothing listens there
+    supervisor = SimpleNamespace(status={"whole": EngineStatus("whole", state="restarting", restarts=2, exits=2,
+                                                               detail="restart 2")}, listeners=[])
+    router = router_for(WHOLE_ONLY, {"whole": (ENGINES["whole"], f"http://127.0.0.1:{port}/", None)},
+                        RouterOptions(MODEL), supervisor=supervisor)  # type: ignore[arg-type]
+    endpoint = router.table.endpoints["whole"]
+    assert endpoint.url == f"http://127.0.0.1:{port}"
+
+    async def poll_once() -> None:
+        await router.open()
+        await router.close()
+
+    asyncio.run(poll_once())
+    assert (endpoint.state, endpoint.detail) == ("restarting", "restart 2")
+    assert router.table.health() == ("down", "whole is restarting (restart 2)")
+    m = render_metrics(router)
+    assert sample(m, "tessera_engine_up", '{engine="whole"}') == 0
+    assert sample(m, "tessera_engine_restarts_total", '{engine="whole"}') == 2
+    assert sample(m, "tessera_engine_exits_total", '{engine="whole"}') == 2
+
+    # the supervisor's state changes reach the router at once, between health polls
+    [changed] = supervisor.listeners
+    changed("whole", "up", "back after restart 2")
+    assert endpoint.up and router.table.health() == ("ok", "")
+    changed("whole", "down", "exited with status -9")
+    assert router.table.health() == ("down", "whole is down (exited with status -9)")
+    changed("elsewhere", "down", "")  # an engine the router does not front: ignored
+
+
 def test_a_stopped_prefill_engine_leaves_requests_to_the_decode_engine(deploy):
     d = deploy(PD_ONLY, connector="nixl")
     d.stubs["prefill"].stop()
@@ -398,7 +461,7 @@ def test_a_router_not_ready_answers_503_and_health_starting(deploy):
 
 
 def test_sigterm_drains_requests_in_flight_and_refuses_new_ones(deploy):
-    d = deploy(WHOLE_ONLY, stubs={"whole": {"events": 8, "delay_s": 0.3}})
+    d = deploy(WHOLE_ONLY, stubs={"whole": {"events": 6, "delay_s": 0.3}})
     with d.stream("/v1/completions", completion(stream=True)) as r:
         lines = (line for line in r.iter_lines() if line.startswith("data: "))
         next(lines)
@@ -408,7 +471,7 @@ def test_sigterm_drains_requests_in_flight_and_refuses_new_ones(deploy):
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
         assert d.health()["status"] == "draining"
         rest = list(lines)
-    assert rest[-1] == "data: [DONE]" and len(rest) == 8  # tok1..tok7 and [DONE]: finished, not cut off
+    assert rest[-1] == "data: [DONE]" and len(rest) == 6  # tok1..tok5 and [DONE]: finished, not cut off
     d.thread.join(10)
     assert not d.thread.is_alive()
     assert any("drained" in line for line in d.log)
