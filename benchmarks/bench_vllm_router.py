@@ -10,7 +10,8 @@ Deployments (smollm2-135m, each GPU target of a plan stood in for by one cpu wor
   L40S and decode on the A100: three engines on two cores);
 - ``tessera``: `tessera serve --cluster cpu:2` (Tessera's own kernel-level runtime, its default policy).
 
-Every vLLM engine runs with prefix caching off (the bench's prompts repeat one word) and eager mode.
+Every vLLM engine runs with prefix caching off (the bench's prompts repeat one word) and eager mode; each
+deployment gets a short warm-up bench first (not recorded).
 Usage: ``python benchmarks/bench_vllm_router.py [--only vllm-1,mix] [--skip tessera] [--json OUT]``.
 """
 
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TESSERA = [sys.executable, "-m", "tessera"]
 MODEL = "smollm2-135m"
 WORKLOADS = ("fixed:in=64,out=32,requests=32", "fixed:in=256,out=128,requests=64")
+WARM_UP = "fixed:in=64,out=16,requests=8"
 MIX_PLAN = ROOT / "tests" / "fixtures" / "plans" / "smollm2-135m_A100_L40S_mix.json"
 VLLM = ["--engine", "vllm", "--no-prefix-caching", "--max-context", "1024"]
 DEPLOYMENTS = {
@@ -47,9 +49,9 @@ DEPLOYMENTS = {
 
 def start(name: str, log: Path) -> tuple[subprocess.Popen, str]:
     """Start deployment ``name``; (process, router URL) once /health says ok."""
-    out = open(log, "w")
-    proc = subprocess.Popen([*TESSERA, "serve", MODEL, "--port", "0", *DEPLOYMENTS[name]], stdout=out,
-                            stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "COLUMNS": "300"})
+    with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([*TESSERA, "serve", MODEL, "--port", "0", *DEPLOYMENTS[name]], stdout=out,
+                                stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "COLUMNS": "300"})
     deadline = time.monotonic() + 900
     url = None
     while time.monotonic() < deadline:
@@ -95,6 +97,8 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(DEPLOYMENTS))
     ap.add_argument("--skip", default="")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--repeat", type=int, default=3, help="vllm-1: benches directly and through the router, "
+                    "alternating, each this many times")
     ap.add_argument("--logs", type=Path, default=Path("/tmp/bench_vllm_router"))
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n and n not in args.skip.split(",")]
@@ -107,10 +111,11 @@ def main() -> None:
         proc, url = start(name, args.logs / f"{name}.log")
         try:
             engines = httpx.get(url + "/health", timeout=5).json().get("engines", {})
+            bench(url, WARM_UP)  # an engine's first requests after start run slower (not recorded)
             for workload in WORKLOADS:
                 if name == "vllm-1":  # the same engine directly and through the router, twice, alternating
                     (engine_url,) = [e["url"] for e in engines.values()]
-                    for attempt in (1, 2):
+                    for attempt in range(1, args.repeat + 1):
                         for label, target in (("vllm-1 direct", engine_url), ("vllm-1 via router", url)):
                             s = bench(target, workload)
                             results.append({"deployment": label, "attempt": attempt, "workload": workload, **s})

@@ -11,11 +11,12 @@ from tessera.plan.admission import round_batch
 from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DeploymentPlan, EngineAdmission, StepPlan
 from tessera.plan.mixes import Route, best_mix, best_rates, fill_rates, fit_together, one_engine, route_of
-from tessera.plan.planner import compare, plan_policy
+from tessera.plan.planner import compare, with_bound
 from tessera.plan.policies import (
     MIN_ROUTE_BATCH,
     MIX_MIN_GAIN,
     ROUTE_BATCH_SHARES,
+    adopt_mix,
     prefill_decode_plans,
     route_mix,
     smaller_engines,
@@ -192,12 +193,17 @@ def test_smaller_engines_keep_the_placement_and_admit_their_batch(smollm2_mix):
 
 def test_a_lower_margin_adopts_the_mix_and_its_plan_names_three_engines_on_two_devices(smollm2_mix, tmp_path):
     ctx, plans, mix = smollm2_mix
+    single = DeploymentPlan(**{**plans[-1].__dict__, "extra": {}})
     ctx.mix_min_gain = 0.0
     try:
-        tess = plan_policy(ctx, "tessera")
+        tess = adopt_mix(ctx, single, mix)
+        assert adopt_mix(ctx, single, None) is single
+        ctx.mix_min_gain = 0.5
+        assert adopt_mix(ctx, single, mix) is single and "(--mix-min-gain)" in single.extra["mix_declined"]
     finally:
         ctx.mix_min_gain = MIX_MIN_GAIN
-    assert tess.extra["routes"] and tess.throughput == pytest.approx(mix.throughput)
+    assert tess is mix and tess.extra["routes"]
+    (tess,) = with_bound(ctx, [tess])  # as the planner finishes every plan: the bound and the engine layout
     layout = tess.layout
     engines = {e.name: e for e in layout.engines}
     assert set(engines) == {"whole@L40S", "prefill@L40S", "decode@A100"}

@@ -25,11 +25,11 @@ from tessera.plan.deployment import (
     DeploymentPlan,
     EngineAdmission,
     EngineLayout,
+    PlannedEngine,
     PlannedRoute,
     StepPlan,
     lanes,
 )
-from tessera.plan.deployment import PlannedEngine as PlannedEngine
 
 PROMPT_PHASES = ("prefill", "encode")  # the phases a request passes once, before its repeated phase
 

@@ -623,6 +623,18 @@ def _tessera_batches(outer: PlanContext, seeds: list[DeploymentPlan]):
                 yield r, outer.for_batch(step.batch), True
 
 
+def adopt_mix(ctx: PlanContext, best: DeploymentPlan, mix: DeploymentPlan | None) -> DeploymentPlan:
+    """Tessera's plan: the route ``mix`` where it plans at least ``ctx.mix_min_gain`` above the best single-engine
+    plan ``best`` (and above it at all), else ``best``, naming a better mix it declined."""
+    if mix is None or mix.throughput <= best.throughput:
+        return best
+    if mix.throughput >= best.throughput * (1 + ctx.mix_min_gain):
+        return mix
+    best.extra["mix_declined"] = (f"{mix.reason} planned {mix.throughput / best.throughput - 1:+.1%}, below the "
+                                  f"{ctx.mix_min_gain:.0%} a mix must gain over one engine (--mix-min-gain)")
+    return best
+
+
 def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | None = None) -> DeploymentPlan:
     """Kernel placement over folded layers, replicas and M; never worse than the baselines it contains."""
     best = None
@@ -679,13 +691,7 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
             best = tie
     if best is None:
         raise PlanningError("Tessera found no plan that fits the devices' memory")
-    mix = route_mix(ctx, objective, [*(baselines or []), best])
-    gain = ctx.mix_min_gain
-    if mix is not None and mix.throughput >= best.throughput * (1 + gain) and mix.throughput > best.throughput:
-        best = mix
-    elif mix is not None and mix.throughput > best.throughput:
-        best.extra["mix_declined"] = (f"{mix.reason} planned {mix.throughput / best.throughput - 1:+.1%}, below the "
-                                      f"{gain:.0%} a mix must gain over one engine (--mix-min-gain)")
+    best = adopt_mix(ctx, best, route_mix(ctx, objective, [*(baselines or []), best]))
     if stopped:
         best.extra["search"] = stopped
     return best
