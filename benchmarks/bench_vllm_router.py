@@ -39,6 +39,8 @@ MIX_PLAN = ROOT / "tests" / "fixtures" / "plans" / "smollm2-135m_A100_L40S_mix.j
 VLLM = ["--engine", "vllm", "--no-prefix-caching", "--max-context", "1024"]
 DEPLOYMENTS = {
     "vllm-1": ["--cluster", "cpu:1", *VLLM, "--policy", "homogeneous", "--placement-for", "A100:1"],
+    "vllm-1-core": ["--cluster", "cpu:1", "--threads", "1", *VLLM, "--policy", "homogeneous", "--placement-for",
+                    "A100:1"],
     "request-dist": ["--cluster", "cpu:2", *VLLM, "--policy", "request-dist", "--placement-for", "A100:1,L40S:1"],
     "prefill-decode": ["--cluster", "cpu:2", *VLLM, "--policy", "prefill-decode", "--placement-for",
                        "A100:1,L40S:1"],
@@ -94,7 +96,7 @@ def row(name: str, workload: str, s: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default=",".join(DEPLOYMENTS))
+    ap.add_argument("--only", default=",".join(n for n in DEPLOYMENTS if n != "vllm-1-core"))
     ap.add_argument("--skip", default="")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--repeat", type=int, default=3, help="vllm-1: benches directly and through the router, "

@@ -1,7 +1,9 @@
 """Greedy tokens through Tessera's router on vLLM engines against one vLLM engine alone.
 
-First one vLLM engine on every core (`tessera serve --engine vllm --cluster cpu:1 --policy homogeneous
---placement-for A100:1`) answers 16 prompts, one at a time, greedy; then each deployment planned for
+First one vLLM engine on one core (`tessera serve --engine vllm --cluster cpu:1 --threads 1 --policy
+homogeneous --placement-for A100:1`, as many threads as each engine of the deployments has: vLLM's CPU GEMMs
+sum in another order with another thread count, and greedy tokens then differ on some prompts) answers 16
+prompts, one at a time, greedy; then each deployment planned for
 A100:1,L40S:1 (request-dist, prefill-decode, and the route mix at --mix-min-gain 0) answers the same prompts
 through the router, and the script prints, per deployment, how many answers are identical and which routes
 and engines they took. Prompts are long enough (about 200 tokens) that the prefill engine hands on real KV.
@@ -45,7 +47,7 @@ def answers(url: str) -> list[tuple[str, str, str]]:
 def main() -> None:
     logs = Path("/tmp/check_vllm_tokens")
     logs.mkdir(parents=True, exist_ok=True)
-    proc, url = start("vllm-1", logs / "vllm-1.log")
+    proc, url = start("vllm-1-core", logs / "vllm-1-core.log")
     try:
         (engine,) = [e["url"] for e in httpx.get(url + "/health").json()["engines"].values()]
         reference = [a for a, _, _ in answers(engine)]  # the engine itself, not through the router

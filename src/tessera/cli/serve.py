@@ -40,7 +40,8 @@ def serve(
     seed: int = typer.Option(_SERVE.seed, "--seed", help="Seed of --placement random."),
     slots: int = typer.Option(_SERVE.slots, "--slots", help="Requests in flight at once (KV-cache rows)."),
     max_context: int = typer.Option(_SERVE.max_context, "--max-context", help="Longest prompt + output a request may have."),
-    threads: int = typer.Option(None, "--threads", help="Torch threads per worker (default cores / workers)."),
+    threads: int = typer.Option(None, "--threads", help="Torch threads per worker (default cores / workers); "
+                                "--engine vllm: the cores each engine's worker binds."),
     beta: float = typer.Option(_SERVE.beta, "--beta", help="Monitor: switch to the throughput plans when mean latency / "
                                "execution time reaches this."),
     window_ms: float = typer.Option(_SERVE.window_s * 1000, "--window-ms", help="Monitor window in milliseconds."),
@@ -97,7 +98,7 @@ def serve(
     if engine == "vllm":
         code = _serve_vllm(model, cluster, policy, plan_file, placement_for, mix_min_gain, vllm_python,
                            max_context, enforce_eager, prefix_caching, kv_cache_gib, log_dir, host, port, api_key,
-                           max_body_bytes, max_in_flight, limits, shutdown_timeout)
+                           max_body_bytes, max_in_flight, limits, shutdown_timeout, threads)
         if code:
             raise typer.Exit(code)
         return
@@ -146,7 +147,7 @@ def serve(
 
 def _serve_vllm(model, cluster, policy, plan_file, placement_for, mix_min_gain, vllm_python, max_context,
                 enforce_eager, prefix_caching, kv_cache_gib, log_dir, host, port, api_key, max_body_bytes,
-                max_in_flight, limits, shutdown_timeout) -> int:
+                max_in_flight, limits, shutdown_timeout, threads) -> int:
     """`tessera serve --engine vllm`: the options checked, the router's socket bound, then the engines."""
     from tessera.cli.engines import serve_vllm
     from tessera.engines.vllm import default_python
@@ -164,11 +165,13 @@ def _serve_vllm(model, cluster, policy, plan_file, placement_for, mix_min_gain, 
             raise ServeOptionError(f"--max-in-flight must be at least 1 (got {max_in_flight})")
         if not 0 <= port <= 65535:
             raise ServeOptionError(f"--port must be 0..65535 (got {port})")
+        if threads is not None and threads < 1:
+            raise ServeOptionError(f"--threads must be at least 1 (got {threads})")
         if max_context < 16:
             raise ServeOptionError(f"--max-context must be at least 16 for vLLM (got {max_context})")
         cfg = VLLMServeConfig(model, cluster, str(plan_file) if plan_file else None, policy, placement_for,
                               mix_min_gain, vllm_python or default_python(), max_context, enforce_eager, prefix_caching,
-                              int(kv_cache_gib * (1 << 30)), str(log_dir) if log_dir else None)
+                              int(kv_cache_gib * (1 << 30)), str(log_dir) if log_dir else None, threads)
         from tessera.capture.models import resolve_model
 
         resolve_model(model)

@@ -79,13 +79,16 @@ def gpu_deployment(plan: DeploymentPlan, options: VLLMOptions, first_port: int =
 
 
 def cpu_deployment(plan: DeploymentPlan, workers: int, options: VLLMOptions, ports: list[int],
-                   cores: int | None = None) -> Deployment:
+                   cores: int | None = None, threads: int | None = None) -> Deployment:
     """The plan's engines on ``workers`` cpu workers of this host (target i of a GPU plan on worker i), each
-    worker with ``cores / workers`` cores, engines on loopback ``ports`` (one per engine)."""
+    worker with ``cores / workers`` cores (the first ``threads`` of them, if given), engines on loopback
+    ``ports`` (one per engine)."""
     runnable(plan, "the plan")
     mapping = plan_target_map(list(plan.targets), plan.cluster, workers, "the plan")
     total = cores or os.cpu_count() or 1
     per = max(1, total // workers)
+    if threads is not None and threads > per:
+        raise VLLMSetupError(f"--threads {threads}: each of {workers} workers has {per} of this host's {total} cores")
     if len(ports) < len(plan.layout.engines):
         raise VLLMSetupError(f"{len(plan.layout.engines)} engines need as many ports; got {len(ports)}")
     launches = []
@@ -93,6 +96,7 @@ def cpu_deployment(plan: DeploymentPlan, workers: int, options: VLLMOptions, por
         target = engine.targets[0]
         worker = mapping.worker_of[target] if mapping is not None else _cpu_index(target, workers)
         cpu = tuple(range(worker * per, worker * per + per)) if total >= workers else tuple(range(total))
+        cpu = cpu[:threads] if threads else cpu
         launches.append(vllm_launch(engine, Placement(f"{HOST_ID}:{worker}", cores=cpu), port, options))
     return Deployment(plan, tuple(launches), plan.layout.routes)
 

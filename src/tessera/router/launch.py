@@ -43,6 +43,7 @@ class VLLMServeConfig:
     prefix_caching: bool = True
     kv_bytes: int = 1 << 30
     log_dir: str | None = None
+    threads: int | None = None  # cores per worker (default: the host's cores split evenly)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -126,7 +127,8 @@ def prepare_vllm(cfg: VLLMServeConfig, log: Callable[[str], None]) -> Prepared:
                           prefix_caching=cfg.prefix_caching, connector="tessera-store", kv_store=str(store),
                           cpu_kv_bytes=cfg.kv_bytes, extra_args=cfg.extra_args)
     options.check()
-    deployment = cpu_deployment(plan, len(cluster.devices), options, free_ports(len(plan.layout.engines)))
+    deployment = cpu_deployment(plan, len(cluster.devices), options, free_ports(len(plan.layout.engines)),
+                                threads=cfg.threads)
     return Prepared(deployment, logs, store, how)
 
 
