@@ -53,8 +53,8 @@ def runnable(plan: DeploymentPlan, source: str) -> None:
     if split:
         raise VLLMSetupError(f"{source} ({plan.policy}) splits kernels over devices in {', '.join(split)}; vLLM runs "
                              "whole-model engines only: serve it with --engine tessera, or plan a policy whose "
-                             "engines are whole (request-dist, prefill-decode, or tessera, which then adopts only "
-                             "whole-engine plans and route mixes)")
+                             "engines are whole (homogeneous, request-dist, prefill-decode; `tessera plan` says "
+                             "which engine can run its tessera plan)")
 
 
 def gpu_deployment(plan: DeploymentPlan, options: VLLMOptions, first_port: int = 8100,

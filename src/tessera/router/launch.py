@@ -113,12 +113,12 @@ def prepare_vllm(cfg: VLLMServeConfig, log: Callable[[str], None]) -> Prepared:
     """
     from tessera.hardware.cluster import parse_cluster
 
-    check_python(cfg.python)
     cluster = parse_cluster(cfg.cluster)
     if any(d.spec.id != "cpu" for d in cluster.devices):
         raise VLLMSetupError(f"--cluster {cluster.describe()} has GPUs: `tessera serve` starts engines on this host's "
                              "cpu workers (--cluster cpu:N); for a GPU cluster, `tessera deploy PLAN --engine vllm` "
                              "prints every engine's command and the router's, to start under your supervisor")
+    check_python(cfg.python)
     folder = model_folder(cfg.model)
     plan, how = serving_plan(cfg, log)
     logs = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="tessera-vllm-"))
