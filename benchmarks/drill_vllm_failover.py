@@ -45,9 +45,14 @@ def main() -> None:
         killed = time.monotonic()
         os.killpg(pid, signal.SIGKILL)
         print(f"killed prefill@L40S (pid {pid}) {args.kill_after:g} s into {workload}")
-        time.sleep(1.0)
-        print("/health after the kill:", json.dumps(httpx.get(url + "/health").json()))
-        back = None
+        seen = back = None
+        while seen is None and time.monotonic() - killed < 60:
+            health = httpx.get(url + "/health").json()
+            if health["engines"]["prefill@L40S"]["state"] != "up":
+                seen = time.monotonic() - killed
+                print(f"/health {seen:.1f} s after the kill:", json.dumps(health))
+            else:
+                time.sleep(0.2)
         while back is None and time.monotonic() - killed < 600:
             if httpx.get(url + "/health").json()["status"] == "ok":
                 back = time.monotonic() - killed

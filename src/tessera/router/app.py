@@ -169,9 +169,11 @@ class Router:
 
     @staticmethod
     async def _stream(upstream: Upstream, release: Callable[[str], None]):
-        outcome = "error"
+        outcome = "cancelled"  # the client went away before the end
         try:
             async for chunk in upstream.stream:
+                if b"data: [DONE]" in chunk and not upstream.lost:
+                    outcome = "ok"  # a client may close as soon as it has [DONE]
                 yield chunk
             outcome = "error" if upstream.lost else "ok"
         finally:
@@ -254,7 +256,8 @@ def render_metrics(router: Router) -> str:
     flight, and per engine whether it is up, its requests in flight, failures, exits and restarts."""
     lines: list[str] = []
     s = router.stats
-    metric(lines, "tessera_router_requests_total", "counter", "Requests forwarded, per route and outcome.",
+    metric(lines, "tessera_router_requests_total", "counter", "Requests forwarded, per route and outcome (ok, error, "
+           "cancelled: the client left before the end).",
            [(f'{{route="{label_value(r)}",outcome="{o}"}}', n) for (r, o), n in sorted(s.requests.items())])
     metric(lines, "tessera_router_fallbacks_total", "counter", "Requests of a prefill-decode route served whole by "
            "its decode engine because the prefill engine was down.",

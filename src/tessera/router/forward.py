@@ -62,8 +62,9 @@ async def prefill(client: httpx.AsyncClient, endpoint: Endpoint, path: str, body
     """Run the prefill call; (the ``kv_transfer_params`` to pass on, None) or (None, why it failed)."""
     try:
         r = await client.post(endpoint.url + path, json=prefill_body(body, endpoint.connector), timeout=timeout)
-    except CONNECT_ERRORS as e:
+    except CONNECT_ERRORS as e:  # taken as down at once; the health poll brings it back once it answers
         endpoint.failures += 1
+        endpoint.state, endpoint.detail = "down", "connection lost"
         return None, f"prefill engine {endpoint.name} unreachable ({type(e).__name__})"
     except httpx.TimeoutException as e:  # a slow prefill is skipped too, not a 500
         return None, f"prefill engine {endpoint.name} did not answer within {timeout:g} s ({type(e).__name__})"
