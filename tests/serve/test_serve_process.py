@@ -198,7 +198,7 @@ def _sigterm_under_load(server: _Process) -> None:
 
 
 def test_only_loopback_is_quiet_without_an_api_key():
-    from tessera.cli.serve import _loopback
+    from tessera.cli.sockets import is_loopback as _loopback
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -176,7 +176,7 @@ def deploy(
     except TesseraError as e:
         _fail(e)
     lines = [f"# Tessera deployment of {plan.model}: {plan.policy} plan for {plan.cluster}",
-             f"# {plan.reason}" if plan.reason else "",
+             *([f"# {plan.reason}"] if plan.reason else []),
              f"# predicted {plan.throughput:,.0f} {plan.unit}; {len(d.launches)} vLLM engines, "
              f"KV connector {connector}; node names ({', '.join(sorted({ln.placement.node for ln in d.launches}))}) "
              "stand for the hosts' addresses", ""]
@@ -192,7 +192,7 @@ def deploy(
                  f"--host 0.0.0.0 --port {router_port}")
     for r in d.routes:
         lines.append(f"#   route {r.name}: {r.share:.0%} of requests via {' -> '.join(r.hops)}")
-    text = "\n".join(line for i, line in enumerate(lines) if line or i > 2) + "\n"
+    text = "\n".join(lines) + "\n"
     if script is not None:
         script.parent.mkdir(parents=True, exist_ok=True)
         script.write_text("#!/usr/bin/env bash\nset -euo pipefail\n" + text)

@@ -132,20 +132,6 @@ def prepare_vllm(cfg: VLLMServeConfig, log: Callable[[str], None]) -> Prepared:
     return Prepared(deployment, logs, store, how)
 
 
-def start_vllm(cfg: VLLMServeConfig, log: Callable[[str], None]) -> tuple[Deployment, Supervisor, str]:
-    """`prepare_vllm`, then every engine started and healthy: the deployment, its supervisor and where the
-    plan came from.
-
-    Raises:
-        TesseraError: as `prepare_vllm`; or an engine failed to start (every engine is stopped then).
-    """
-    ready = prepare_vllm(cfg, log)
-    supervisor = Supervisor(list(ready.deployment.launches), ready.logs, say=log)
-    took = supervisor.start()
-    log(f"{len(ready.deployment.launches)} engines up in {took:.0f} s")
-    return ready.deployment, supervisor, ready.how
-
-
 def router_for(deployment_routes: tuple[PlannedRoute, ...], engines: dict[str, tuple[PlannedEngine, str, str | None]],
                options: RouterOptions, supervisor: Supervisor | None = None) -> Router:
     """The router over ``engines`` (name -> (planned engine, URL, KV connector)) along the plan's routes; with
@@ -172,5 +158,5 @@ def deployment_router(deployment: Deployment, options: RouterOptions, supervisor
     return router_for(deployment.routes, engines, options, supervisor)
 
 
-__all__ = ["VLLMServeConfig", "deployment_router", "free_ports", "model_folder", "prepare_vllm", "router_for",
-           "serving_plan", "start_vllm"]
+__all__ = ["Prepared", "VLLMServeConfig", "deployment_router", "free_ports", "model_folder", "prepare_vllm",
+           "router_for", "serving_plan"]
