@@ -95,7 +95,7 @@ def route(
     from tessera.router.app import RouterOptions
     from tessera.router.launch import router_for
     from tessera.router.server import run_router
-    from tessera.serve.connections import HTTPLimits
+    from tessera.serve.config import HTTPLimits
 
     say = lambda text: _err.print(f"[dim]{text}[/]", highlight=False)  # noqa: E731
     try:

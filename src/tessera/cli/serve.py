@@ -15,8 +15,7 @@ from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
 from tessera.errors import TesseraError
-from tessera.serve.config import MAX_BODY_BYTES, ServeConfig, ServeOptionError
-from tessera.serve.connections import HTTPLimits
+from tessera.serve.config import MAX_BODY_BYTES, HTTPLimits, ServeConfig, ServeOptionError
 
 _SERVE = ServeConfig(model="")
 _LIMITS = HTTPLimits()
@@ -90,7 +89,6 @@ def serve(
     tessera), or as vLLM engines, one per engine of the plan, behind Tessera's router (--engine vllm). It
     listens at once (/health answers 503 until the engines are up); SIGTERM drains; it exits non-zero when
     the engine cannot go on."""
-    from tessera.serve.connections import HTTPLimits
     from tessera.serve.server import ServerOptions, run_server
 
     say = lambda text: _err.print(f"[dim]{text}[/]", highlight=False)  # noqa: E731
@@ -128,9 +126,7 @@ def serve(
         sock = listen(host, port)
     except TesseraError as e:
         _fail(e)
-    if api_key is None and not is_loopback(sock):
-        _err.print(f"[yellow]warning:[/] listening on {host}, reachable from other machines, without an API key: "
-                   "anyone who can reach it can use it; give --api-key (or TESSERA_API_KEY)", highlight=False)
+    _warn_if_open(sock, host, api_key)
     url = url_of(sock)
     say(f"listening at {url} (/health answers 503 until the engine is up)")
 
@@ -178,10 +174,15 @@ def _serve_vllm(model, cluster, policy, plan_file, placement_for, mix_min_gain, 
         sock = listen(host, port)
     except TesseraError as e:
         _fail(e)
-    if api_key is None and not is_loopback(sock):
-        _err.print(f"[yellow]warning:[/] listening on {host}, reachable from other machines, without an API key",
-                   highlight=False)
+    _warn_if_open(sock, host, api_key)
     return serve_vllm(cfg, sock, url_of(sock), api_key, max_body_bytes, max_in_flight, limits, shutdown_timeout)
+
+
+def _warn_if_open(sock, host: str, api_key: str | None) -> None:
+    """Warn when the server listens beyond loopback without an API key."""
+    if api_key is None and not is_loopback(sock):
+        _err.print(f"[yellow]warning:[/] listening on {host}, reachable from other machines, without an API key: "
+                   "anyone who can reach it can use it; give --api-key (or TESSERA_API_KEY)", highlight=False)
 
 
 def _s(t: float | None) -> str:

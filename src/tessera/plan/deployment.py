@@ -68,8 +68,8 @@ class EngineAdmission:
 
 @dataclass(frozen=True)
 class PlannedEngine:
-    """One engine of a plan (derived by `tessera.plan.engines.engine_layout`): its roles (``whole``: serves requests from prompt to last token; ``prefill``:
-    computes prompts and hands their KV on; ``decode``: continues from handed-on KV; ``split``: a kernel-level
+    """One engine of a plan (derived by `tessera.plan.engines.engine_layout`): its roles (``whole``: serves
+    requests from prompt to last token; ``prefill``: computes prompts and hands their KV on; ``decode``: continues from handed-on KV; ``split``: a kernel-level
     placement over several devices), the cluster targets and device ids it runs on, its admission
     (``max_num_seqs``, cache tokens, block size) and the share of each device's memory it may use."""
 
@@ -235,7 +235,7 @@ class DeploymentPlan:
     bottleneck: str = ""  # what limits throughput
     admission: EngineAdmission | None = None  # per engine (request-dist: per device type, in extra["replicas"])
     bound: float | None = None  # the case's upper bound on throughput (fractional kernels, least transfers)
-    layout: EngineLayout = field(default_factory=lambda: EngineLayout())  # its engines and routes
+    layout: EngineLayout = field(default_factory=EngineLayout)  # its engines and routes
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

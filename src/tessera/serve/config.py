@@ -1,10 +1,12 @@
 """What a served deployment asks for, checked: the model, ``cpu:N`` workers, slots and context, where
-kernels run for each objective, and the monitor's settings. `tessera serve` only parses its options into
+kernels run for each objective, and the monitor's settings; and the HTTP layer's limits (`HTTPLimits`, applied
+by `tessera.serve.connections`). `tessera serve` only parses its options into
 a `ServeConfig` and shows its defaults, so this module imports nothing heavy (the CLI reads it at
 start-up); `tessera.serve.launch.start_engine` starts a deployment from it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tessera.errors import TesseraError
@@ -16,6 +18,36 @@ MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt of the contexts serv
 
 class ServeOptionError(TesseraError):
     """A `tessera serve` option that cannot work."""
+
+
+class HTTPLimitsError(TesseraError, ValueError):
+    """An HTTP limit that cannot work (a timeout or a connection count that is not positive)."""
+
+
+@dataclass(frozen=True)
+class HTTPLimits:
+    """How long a client may take and how many may be connected: ``header_timeout_s`` to send its request
+    line and headers (from the connection's opening or its previous response), ``body_timeout_s`` to send
+    a body whole (from its headers), ``max_connections`` open at once, ``keep_alive_s`` idle between
+    requests."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 1024
+    keep_alive_s: float = 5.0
+
+    def check(self) -> None:
+        """Raise `HTTPLimitsError`, naming the option, for a limit that is not positive."""
+        for option, seconds in (("--header-timeout", self.header_timeout_s),
+                                ("--body-timeout", self.body_timeout_s),
+                                ("the keep-alive timeout (keep_alive_s)", self.keep_alive_s)):
+            if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds) \
+                    or seconds <= 0:
+                raise HTTPLimitsError(f"{option} must be a positive number of seconds (got {seconds!r})")
+        if isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int) \
+                or self.max_connections < 1:
+            raise HTTPLimitsError(f"--max-connections must be a whole number, at least 1 "
+                                  f"(got {self.max_connections!r})")
 
 
 @dataclass

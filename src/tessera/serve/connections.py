@@ -1,7 +1,7 @@
 """What the HTTP server does with clients that are slow, idle or too many, for every Tessera HTTP server
 (`tessera serve` and the router).
 
-``HTTPLimits`` holds the bounds; ``server_config`` is the uvicorn config that applies them:
+``HTTPLimits`` (`tessera.serve.config`, light enough for the CLI's start-up) holds the bounds; ``server_config`` is the uvicorn config that applies them:
 
 - **headers**: a connection must complete its request line and headers within ``header_timeout_s`` of
   opening, or of its previous response on a keep-alive connection, or it is closed
@@ -18,48 +18,16 @@
 from __future__ import annotations
 
 import asyncio
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from tessera.errors import TesseraError
+from tessera.serve.config import HTTPLimits, HTTPLimitsError
 from tessera.serve.protocol import APIError
 
 _CONFIG_SET = ("http", "limit_concurrency", "timeout_keep_alive")  # what server_config sets itself
-
-
-class HTTPLimitsError(TesseraError, ValueError):
-    """An HTTP limit that cannot work (a timeout or a connection count that is not positive)."""
-
-
-@dataclass(frozen=True)
-class HTTPLimits:
-    """How long a client may take and how many may be connected: ``header_timeout_s`` to send its request
-    line and headers (from the connection's opening or its previous response), ``body_timeout_s`` to send
-    a body whole (from its headers), ``max_connections`` open at once, ``keep_alive_s`` idle between
-    requests."""
-
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    max_connections: int = 1024
-    keep_alive_s: float = 5.0
-
-    def check(self) -> None:
-        """Raise `HTTPLimitsError`, naming the option, for a limit that is not positive."""
-        for option, seconds in (("--header-timeout", self.header_timeout_s),
-                                ("--body-timeout", self.body_timeout_s),
-                                ("the keep-alive timeout (keep_alive_s)", self.keep_alive_s)):
-            if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds) \
-                    or seconds <= 0:
-                raise HTTPLimitsError(f"{option} must be a positive number of seconds (got {seconds!r})")
-        if isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int) \
-                or self.max_connections < 1:
-            raise HTTPLimitsError(f"--max-connections must be a whole number, at least 1 "
-                                  f"(got {self.max_connections!r})")
 
 
 class HeaderTimeoutProtocol(H11Protocol):
