@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from tessera.engines.vllm import (
     NIXL_SIDE_CHANNEL_PORT,
+    WHOLE_ONLY,
     EngineLaunch,
     Placement,
     VLLMOptions,
@@ -51,10 +52,8 @@ def runnable(plan: DeploymentPlan, source: str) -> None:
                              "(`tessera plan ... -o FILE`)")
     split = [e.name for e in layout.engines if not e.runs_on_vllm]
     if split:
-        raise VLLMSetupError(f"{source} ({plan.policy}) splits kernels over devices in {', '.join(split)}; vLLM runs "
-                             "whole-model engines only: serve it with --engine tessera, or plan a policy whose "
-                             "engines are whole (homogeneous, request-dist, prefill-decode; `tessera plan` says "
-                             "which engine can run its tessera plan)")
+        raise VLLMSetupError(f"{source} ({plan.policy}) splits kernels over devices in {', '.join(split)}; "
+                             f"{WHOLE_ONLY}")
 
 
 def gpu_deployment(plan: DeploymentPlan, options: VLLMOptions, first_port: int = 8100,

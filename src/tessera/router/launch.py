@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tessera.engines.deployment import Deployment, cpu_deployment
@@ -44,7 +44,6 @@ class VLLMServeConfig:
     kv_bytes: int = 1 << 30
     log_dir: str | None = None
     threads: int | None = None  # cores per worker (default: the host's cores split evenly)
-    extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
 def serving_plan(cfg: VLLMServeConfig, log: Callable[[str], None]) -> tuple[DeploymentPlan, str]:
@@ -125,7 +124,7 @@ def prepare_vllm(cfg: VLLMServeConfig, log: Callable[[str], None]) -> Prepared:
     store = new_store(logs)
     options = VLLMOptions(cfg.python, folder, cfg.model, cfg.max_model_len, enforce_eager=cfg.enforce_eager,
                           prefix_caching=cfg.prefix_caching, connector="tessera-store", kv_store=str(store),
-                          cpu_kv_bytes=cfg.kv_bytes, extra_args=cfg.extra_args)
+                          cpu_kv_bytes=cfg.kv_bytes)
     options.check()
     deployment = cpu_deployment(plan, len(cluster.devices), options, free_ports(len(plan.layout.engines)),
                                 threads=cfg.threads)
