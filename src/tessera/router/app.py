@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,14 +38,11 @@ HEALTH_POLL_S = 1.0
 class RouterStats:
     """What the router counted: requests per route and outcome, fallbacks, rejections."""
 
-    requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (route, outcome) -> count
-    fallbacks: dict[str, int] = field(default_factory=dict)  # route -> requests whose prefill hop was skipped
-    rejected: dict[str, int] = field(default_factory=dict)  # reason -> 429 / 503 answers
+    requests: Counter[tuple[str, str]] = field(default_factory=Counter)  # (route, outcome) -> count
+    fallbacks: Counter[str] = field(default_factory=Counter)  # route -> requests whose prefill hop was skipped
+    rejected: Counter[str] = field(default_factory=Counter)  # reason -> 429 / 503 answers
     in_flight: int = 0
     started: float = field(default_factory=time.monotonic)
-
-    def count(self, route: str, outcome: str) -> None:
-        self.requests[(route, outcome)] = self.requests.get((route, outcome), 0) + 1
 
 
 @dataclass
@@ -114,14 +112,14 @@ class Router:
         """Refuse a request the router cannot take now (starting or draining: 503; full: 429 with
         Retry-After)."""
         if not self.ready:
-            self.stats.rejected["starting"] = self.stats.rejected.get("starting", 0) + 1
+            self.stats.rejected["starting"] += 1
             raise APIError(503, "the engines are still starting; retry shortly", "server_error", code="not_ready")
         if self.draining:
-            self.stats.rejected["draining"] = self.stats.rejected.get("draining", 0) + 1
+            self.stats.rejected["draining"] += 1
             raise APIError(503, "the router is shutting down; retry after it restarts", "server_error",
                            code="draining")
         if self.stats.in_flight >= self.options.max_in_flight:
-            self.stats.rejected["full"] = self.stats.rejected.get("full", 0) + 1
+            self.stats.rejected["full"] += 1
             raise _Busy(f"the router already forwards {self.stats.in_flight} requests, its limit "
                         f"(--max-in-flight {self.options.max_in_flight}); retry after {RETRY_AFTER_S} s")
 
@@ -131,12 +129,12 @@ class Router:
         try:
             hops = self.table.pick()
         except NoRoute as e:
-            self.stats.rejected["no_route"] = self.stats.rejected.get("no_route", 0) + 1
+            self.stats.rejected["no_route"] += 1
             raise APIError(503, str(e), "server_error", code="no_route") from None
         self.stats.in_flight += 1
         headers = {"X-Tessera-Route": hops.route, "X-Tessera-Engines": ",".join(hops.names)}
         if hops.fallback:
-            self.stats.fallbacks[hops.route] = self.stats.fallbacks.get(hops.route, 0) + 1
+            self.stats.fallbacks[hops.route] += 1
             headers["X-Tessera-Fallback"] = "prefill engine down: prefilled on the decode engine"
         released = False
 
@@ -146,13 +144,12 @@ class Router:
                 released = True
                 self.stats.in_flight -= 1
                 self.table.release(hops)
-                self.stats.count(hops.route, outcome)
+                self.stats.requests[(hops.route, outcome)] += 1
 
         try:
             upstream = await forward(self.client, hops, path, body, self.options.timeout_s,
                                      prefilled=lambda: self.table.release(hops, prefill_only=True))
         except EngineLost as e:
-            e.endpoint.state, e.endpoint.detail = "down", "connection lost"
             release("error")
             return error_response(APIError(502, str(e), "server_error", code="engine_lost"))
         except BaseException:
@@ -160,7 +157,7 @@ class Router:
             raise
         if upstream.prefill_fallback:
             headers["X-Tessera-Fallback"] = upstream.prefill_fallback
-            self.stats.fallbacks[hops.route] = self.stats.fallbacks.get(hops.route, 0) + 1
+            self.stats.fallbacks[hops.route] += 1
         if upstream.stream is None:
             release("ok" if upstream.status == 200 else "error")
             return JSONResponse(upstream.body, status_code=upstream.status, headers=headers)

@@ -103,6 +103,7 @@ async def forward(client: httpx.AsyncClient, hops: Hops, path: str, body: dict[s
         response = await client.send(request, stream=stream)
     except CONNECT_ERRORS as e:
         target.failures += 1
+        target.state, target.detail = "down", "connection lost"
         raise EngineLost(target, e) from None
     except httpx.TimeoutException as e:  # alive but too slow: an OpenAI error, not a 500
         err = APIError(504, f"engine {target.name} did not answer within {timeout:g} s ({type(e).__name__})",
