@@ -185,6 +185,13 @@ class Supervisor:
     def _watch(self) -> None:
         backoff = {name: BACKOFF_S[0] for name in self.processes}
         due: dict[str, float] = {}
+
+        def ended(name: str, now: float, detail: str) -> None:  # down; started again after its back-off
+            self.status[name].exits += 1
+            due[name] = now + backoff[name]
+            backoff[name] = min(backoff[name] * 2, BACKOFF_S[1])
+            self._set(name, "down", detail)
+
         while not self._stop.wait(POLL_S):
             now = time.monotonic()
             for name, p in self.processes.items():
@@ -194,22 +201,16 @@ class Supervisor:
                         if now - s.since > STABLE_S:
                             backoff[name] = BACKOFF_S[0]
                         continue
-                    s.exits += 1
-                    self._set(name, "down", f"exited with status {p.exit_code}")
                     self.say(f"engine {name} exited with status {p.exit_code}"
                              + (f"; restarting in {backoff[name]:g} s" if self.restart else ""))
-                    due[name] = now + backoff[name]
-                    backoff[name] = min(backoff[name] * 2, BACKOFF_S[1])
+                    ended(name, now, f"exited with status {p.exit_code}")
                 elif s.state == "down" and self.restart and now >= due.get(name, 0.0):
                     s.restarts += 1
                     s.pid = p.start()
                     self._set(name, "restarting", f"restart {s.restarts}")
                 elif s.state == "restarting":
                     if p.exit_code is not None:
-                        s.exits += 1
-                        due[name] = now + backoff[name]
-                        backoff[name] = min(backoff[name] * 2, BACKOFF_S[1])
-                        self._set(name, "down", f"exited with status {p.exit_code} while restarting")
+                        ended(name, now, f"exited with status {p.exit_code} while restarting")
                     elif p.healthy():
                         self._set(name, "up", f"back after restart {s.restarts}")
                         self.say(f"engine {name} is back up (restart {s.restarts})")
