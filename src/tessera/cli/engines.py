@@ -17,6 +17,7 @@ from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
 from tessera.errors import TesseraError
+from tessera.serve.step_probe import DEFAULT_CONTEXTS, DEFAULT_PROMPTS, DEFAULT_ROWS
 
 
 def serve_vllm(cfg, sock: socket.socket, url: str, api_key: str | None, max_body_bytes: int, max_in_flight: int,
@@ -206,7 +207,101 @@ def _node_url(launch) -> str:
     return f"http://{launch.placement.node}:{launch.port}"
 
 
+def _sizes(text: str, option: str) -> tuple[int, ...]:
+    """A comma-separated list of positive sizes ("1,16,64")."""
+    from tessera.serve.step_probe import StepProbeError
+
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise StepProbeError(f"{option} {text!r}: give positive whole numbers separated by commas, e.g. 1,16,64") \
+            from None
+    if not sizes or min(sizes) < 1:
+        raise StepProbeError(f"{option} {text!r}: give positive whole numbers separated by commas, e.g. 1,16,64")
+    return sizes
+
+
+def profile_engine(
+    model: str = typer.Argument(..., help="The model the engine serves (its served name)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Write the step-times JSON here (for `tessera simulate "
+                                "--engine vllm --step-times`)."),
+    url: str = typer.Option(None, "--url", help="Measure the vLLM OpenAI server running at this URL (any device); "
+                            "default: start one vLLM engine on this host's cores, measure it and stop it."),
+    threads: int = typer.Option(None, "--threads", help="Cores of the engine started here (default: all)."),
+    max_num_seqs: int = typer.Option(128, "--max-num-seqs", help="The engine's sequence cap (the started engine's; "
+                                     "with --url, what the running engine was given)."),
+    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", help="The engine's token budget per "
+                                               "step (vLLM's default on a CPU: 2048)."),
+    max_model_len: int = typer.Option(2048, "--max-model-len", help="Longest context of the started engine."),
+    prompts: str = typer.Option(",".join(map(str, DEFAULT_PROMPTS)), "--prompts", help="Prompt lengths of "
+                                "the prefill probes."),
+    rows: str = typer.Option(",".join(map(str, DEFAULT_ROWS)), "--rows", help="Decode rows of the decode "
+                             "probes."),
+    contexts: str = typer.Option(",".join(map(str, DEFAULT_CONTEXTS)), "--contexts", help="Prompt lengths "
+                                 "of the decode probes."),
+    repeats: int = typer.Option(3, "--repeats", help="Lone prompts per length (the median is kept)."),
+    device: str = typer.Option(None, "--device", help="What the engine runs on, recorded in the file (default: "
+                               "this host's cpu and threads, or 'unknown' with --url)."),
+    python: str = typer.Option(None, "--vllm-python", help="The vLLM environment's interpreter (default: "
+                               ".venv-vllm/bin/python or TESSERA_VLLM_PYTHON)."),
+    api_key: str = typer.Option(None, "--api-key", envvar="TESSERA_API_KEY", help="Bearer key of the engine at --url."),
+) -> None:
+    """Measure a vLLM engine's step times (prefills by prompt length, decodes by rows and context) over its
+    OpenAI API, for `tessera simulate --engine vllm --step-times`."""
+    import tempfile
+
+    from tessera.cli.outputs import check_output_file, write_output
+    from tessera.engines.deployment import cpu_engine
+    from tessera.engines.process import Supervisor
+    from tessera.engines.vllm import VLLMOptions, check_python, default_python
+    from tessera.router.launch import free_ports, model_folder
+    from tessera.serve.step_probe import StepProbeError, measure
+
+    def say(line: str) -> None:
+        _err.print(f"[dim]{line}[/]", highlight=False)
+
+    supervisor = None
+    try:
+        check_output_file(output, "--output", "steps.json")
+        sizes = {"prompts": _sizes(prompts, "--prompts"), "rows": _sizes(rows, "--rows"),
+                 "contexts": _sizes(contexts, "--contexts")}
+        if repeats < 1:
+            raise StepProbeError(f"--repeats must be at least 1 (got {repeats})")
+        if url is None:
+            python = python or default_python()
+            check_python(python)
+            options = VLLMOptions(python, model_folder(model), model, max_model_len, prefix_caching=False)
+            launch = cpu_engine(options, free_ports(1)[0], max_num_seqs, threads)
+            supervisor = Supervisor([launch], Path(tempfile.mkdtemp(prefix="tessera-profile-")), say=say,
+                                    restart=False)
+            supervisor.start()
+            url = launch.url
+            device = device or f"cpu ({len(launch.placement.cores)} threads)"
+        times = measure(url.rstrip("/"), model, **sizes, max_num_batched_tokens=max_num_batched_tokens,
+                        max_num_seqs=max_num_seqs, repeats=repeats, device=device or "unknown", api_key=api_key,
+                        progress=say)
+        write_output(output, "--output", times.save, "steps.json")
+    except TesseraError as e:
+        _fail(e)
+    finally:
+        if supervisor is not None:
+            supervisor.stop()
+    from rich.table import Table
+
+    table = Table(title=f"{times.model} on {times.device}: step times ({times.engine})")
+    for col in ("step", "size", "seconds"):
+        table.add_column(col, justify="left" if col == "step" else "right")
+    for n, sec in times.prefill:
+        table.add_row("prefill", f"{n} tokens", f"{sec:.4f}")
+    for r, c, sec in times.decode:
+        table.add_row("decode", f"{r} rows at context {c}", f"{sec:.4f}")
+    _out.print(table)
+    _out.print(f"request overhead {times.overhead_s * 1e3:.1f} ms; KV blocks {times.kv_blocks} of {times.block_size} "
+               f"tokens; written to {output}", highlight=False)
+
+
 def register(app: typer.Typer) -> None:
-    """Mount `tessera route` and `tessera deploy`."""
+    """Mount `tessera route`, `tessera deploy` and `tessera profile-engine`."""
     app.command("route")(route)
     app.command("deploy")(deploy)
+    app.command("profile-engine")(profile_engine)

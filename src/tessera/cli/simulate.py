@@ -47,10 +47,20 @@ def simulate(
     engine_shapes: bool = typer.Option(True, "--engine-shapes/--static-shapes", help="Run steps at their own "
                                        "rows, prompt and context, as a serving engine does (default), or padded "
                                        "to the power-of-two buckets `tessera serve` traces."),
+    engine: str = typer.Option("tessera", "--engine", help="The serving engine to simulate: tessera (Tessera's "
+                               "own runtime: kernel-level programs, its scheduler) or vllm (the plan's engines as "
+                               "vLLM schedules them: chunked prefill and decodes under one token budget)."),
+    step_times: Path = typer.Option(None, "--step-times", help="With --engine vllm: every engine steps as this "
+                                    "measured engine does (a file from `tessera profile-engine -o`), instead of "
+                                    "the cost model's prediction for its device."),
+    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", help="With --engine vllm: the "
+                                               "token budget of one engine step (vLLM's default for its OpenAI "
+                                               "server on a CPU and on GPUs under 70 GB)."),
     as_json: bool = opt.JSON,
 ) -> None:
     """Simulate serving a workload: the planned deployment's steps timed by running its device programs
-    against the cost model, requests batched by the serving scheduler (every figure is predicted)."""
+    against the cost model, requests batched by the serving scheduler (every figure is predicted); or, with
+    --engine vllm, the plan's vLLM engines, their steps timed from measured or predicted step times."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tessera.cost.options import CostOptions
@@ -62,7 +72,11 @@ def simulate(
                                              routing_skew=skew,
                                              admission=AdmissionConfig(max_num_seqs, memory_utilization, block_size)),
                                   plan_file, max_context, seed)
+        _check_engine(engine, step_times, max_num_batched_tokens)
         ctx, plan = config.deployment(progress=lambda s: _err.print(f"[dim]{s}[/]"))
+        if engine == "vllm":
+            _simulate_vllm(ctx, plan, config, step_times, max_num_batched_tokens, as_json)
+            return
         with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=_err, transient=True, disable=as_json) as bar:
             task = bar.add_task("requests", total=None)
@@ -97,6 +111,52 @@ def simulate(
     _out.print(table)
     for line in result.rejections:
         _out.print(f"  rejected: {line}")
+
+
+def _check_engine(engine: str, step_times: Path | None, max_num_batched_tokens: int) -> None:
+    from tessera.sim.vllm_engines import VLLMSimulationError
+
+    if engine not in ("tessera", "vllm"):
+        raise VLLMSimulationError(f"--engine must be tessera or vllm (got {engine!r})")
+    if engine == "tessera" and step_times is not None:
+        raise VLLMSimulationError("--step-times times vLLM engines: give it with --engine vllm")
+    if max_num_batched_tokens < 1:
+        raise VLLMSimulationError(f"--max-num-batched-tokens must be at least 1 (got {max_num_batched_tokens})")
+
+
+def _simulate_vllm(ctx, plan, config: SimulationConfig, step_times: Path | None, max_num_batched_tokens: int,
+                   as_json: bool) -> None:
+    """`tessera simulate --engine vllm`: the plan's engines under vLLM's scheduling; prints the summary."""
+    from tessera.cost.engine_steps import EngineStepTimes
+    from tessera.sim.vllm_deployment import vllm_engines
+    from tessera.sim.vllm_engines import simulate_vllm
+    from tessera.workload import draw_requests
+
+    measured = EngineStepTimes.load(step_times) if step_times is not None else None
+    engines, routes = vllm_engines(ctx, plan, measured, max_num_batched_tokens,
+                                   progress=lambda s: _err.print(f"[dim]{s}[/]"))
+    result = simulate_vllm(engines, routes, draw_requests(ctx.workload, config.seed))
+    summary = result.summary()
+    summary.update(model=plan.model, policy=plan.policy, workload=ctx.workload_text, engine="vllm",
+                   cluster=ctx.cluster.describe(), step_times=str(step_times) if step_times else "predicted")
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    where = f"measured ({measured.device or measured.source})" if measured else "predicted by the cost model"
+    table = Table(title=f"{plan.model} on {ctx.cluster.describe()}, {plan.policy} on vLLM engines\n"
+                        f"{ctx.workload_text} (simulated; step times {where})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("throughput", f"{summary['throughput'] or 0:,.4g} tokens/s")
+    table.add_row("completed", f"{summary['completed']}")
+    table.add_row("makespan", _s(summary["duration_s"]))
+    table.add_row("TTFT p50 / p99", f"{_s(summary['ttft_p50_s'])} / {_s(summary['ttft_p99_s'])}")
+    table.add_row("TPOT p50 / p99", f"{_s(summary['tpot_p50_s'])} / {_s(summary['tpot_p99_s'])}")
+    table.add_row("steps", f"{summary['steps']:,}")
+    table.add_row("preemptions (KV blocks ran out)", f"{summary['preemptions']:,}")
+    for e in engines:
+        table.add_row(f"busy: {e.name}", f"{e.busy_s / summary['duration_s']:.0%}" if summary["duration_s"] else "-")
+    _out.print(table)
 
 
 def register(app: typer.Typer) -> None:

@@ -22,7 +22,7 @@ from tessera.engines.vllm import (
     vllm_launch,
 )
 from tessera.hardware.catalog import HOST_ID
-from tessera.plan.deployment import DeploymentPlan, PlannedRoute
+from tessera.plan.deployment import WHOLE, DeploymentPlan, PlannedEngine, PlannedRoute
 from tessera.runtime.target_map import plan_target_map
 
 
@@ -124,3 +124,16 @@ def _gpu_indices(plan: DeploymentPlan) -> dict[str, int]:
 
 
 __all__ = ["Deployment", "cpu_deployment", "gpu_deployment", "runnable"]
+
+
+def cpu_engine(options: VLLMOptions, port: int, max_num_seqs: int, threads: int | None = None,
+               cores: int | None = None) -> EngineLaunch:
+    """One whole-model engine on this host's first ``threads`` cores (default: all of them), on loopback
+    ``port``: what `tessera profile-engine` measures."""
+    total = cores or os.cpu_count() or 1
+    if threads is not None and not 1 <= threads <= total:
+        raise VLLMSetupError(f"--threads {threads}: this host has {total} cores; give 1 to {total}")
+    engine = PlannedEngine(name=WHOLE, roles=(WHOLE,), targets=(f"{HOST_ID}:0",), devices=(f"{HOST_ID}:0",),
+                           nodes=(HOST_ID,), max_num_seqs=max_num_seqs, kv_tokens=None, block_size=16,
+                           memory_fraction=1.0)
+    return vllm_launch(engine, Placement(f"{HOST_ID}:0", cores=tuple(range(threads or total))), port, options)

@@ -1,0 +1,64 @@
+"""Engine step times: interpolation, the mixed-step rule, the file format and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tessera.cost.engine_steps import STEP_TIMES_VERSION, EngineStepTimes, EngineStepTimesError
+
+
+def times(**kw) -> EngineStepTimes:
+    base = dict(engine="vllm 0.32.0", model="smollm2-135m", device="cpu (2 threads)",
+                prefill=((16, 0.02), (64, 0.05), (256, 0.17)),
+                decode=((1, 64, 0.010), (1, 1024, 0.014), (8, 64, 0.020), (8, 1024, 0.040)), overhead_s=0.003)
+    base.update(kw)
+    return EngineStepTimes(**base)
+
+
+def test_prefill_is_linear_between_points_and_extends_the_outer_segments():
+    t = times()
+    assert t.prefill_s(64) == pytest.approx(0.05)
+    assert t.prefill_s(160) == pytest.approx(0.05 + 0.12 * 96 / 192)
+    assert t.prefill_s(512) == pytest.approx(0.17 + 0.12 * 256 / 192)  # the last segment's slope
+    assert t.prefill_s(1) == pytest.approx(max(0.02 - 0.03 * 15 / 48, 0.002))
+
+
+def test_decode_is_linear_in_context_then_rows():
+    t = times()
+    assert t.decode_s(1, 64) == pytest.approx(0.010)
+    assert t.decode_s(8, 1024) == pytest.approx(0.040)
+    mid_ctx = 64 + (1024 - 64) / 2
+    assert t.decode_s(1, mid_ctx) == pytest.approx(0.012)
+    assert t.decode_s(8, mid_ctx) == pytest.approx(0.030)
+    assert t.decode_s(4.5, mid_ctx) == pytest.approx(0.021)
+
+
+def test_a_mixed_step_is_its_decode_plus_what_the_prompt_tokens_add():
+    t = times()
+    assert t.step_s(0, 8, 64) == pytest.approx(t.decode_s(8, 64))
+    assert t.step_s(100, 0, 0) == pytest.approx(t.prefill_s(100))
+    assert t.step_s(56, 8, 64) == pytest.approx(t.decode_s(8, 64) + t.prefill_s(64) - t.prefill_s(8))
+
+
+def test_round_trip_and_errors(tmp_path):
+    t = times(kv_blocks=1456, block_size=32)
+    path = tmp_path / "steps.json"
+    t.save(path)
+    assert EngineStepTimes.load(path) == t
+    d = json.loads(path.read_text())
+    assert d["version"] == STEP_TIMES_VERSION
+    for broken, message in (({**d, "version": 0}, "version 0"), ({k: v for k, v in d.items() if k != "decode"},
+                                                                 "missing decode"),
+                            ({**d, "prefill": [[16, "x"]]}, "malformed"), ({**d, "prefill": [[16, 0.1]]},
+                                                                          "at least two prefill"),
+                            ({**d, "decode": [[0, 64, 0.1]]}, "at least 1"), ([1, 2], "JSON object")):
+        path.write_text(json.dumps(broken))
+        with pytest.raises(EngineStepTimesError, match=message):
+            EngineStepTimes.load(path)
+    path.write_text("{not json")
+    with pytest.raises(EngineStepTimesError, match="not a JSON file"):
+        EngineStepTimes.load(path)
+    with pytest.raises(EngineStepTimesError, match="no decode points"):
+        times(decode=())
