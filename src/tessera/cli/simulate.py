@@ -47,6 +47,7 @@ def simulate(
     engine_shapes: bool = typer.Option(True, "--engine-shapes/--static-shapes", help="Run steps at their own "
                                        "rows, prompt and context, as a serving engine does (default), or padded "
                                        "to the power-of-two buckets `tessera serve` traces."),
+    factors: Path = opt.FACTORS,
     as_json: bool = opt.JSON,
 ) -> None:
     """Simulate serving a workload: the planned deployment's steps timed by running its device programs
@@ -58,7 +59,8 @@ def simulate(
 
     try:
         config = SimulationConfig(PlanConfig(model, cluster, workload, policy, device=device, max_batch=max_batch,
-                                             prices=prices, cost=CostOptions(weights_dtype, kv_dtype),
+                                             prices=prices, cost=CostOptions(weights_dtype, kv_dtype,
+                                                                               factors=opt.load_factors(factors)),
                                              routing_skew=skew,
                                              admission=AdmissionConfig(max_num_seqs, memory_utilization, block_size)),
                                   plan_file, max_context, seed)
