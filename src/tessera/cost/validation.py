@@ -302,7 +302,7 @@ def validate(config: ValidationConfig, progress: Callable[[str], None] = lambda 
     for path in config.files:
         s = read_measurements(path, config.nsys_phase)
         measurements += s.measurements
-        excluded += [f"{path.name}: {e}" for e in s.excluded]
+        excluded += [e if e.startswith(str(path)) else f"{path}: {e}" for e in s.excluded]
     if config.reference is not None:
         from tessera.hardware.catalog import UnknownDeviceError, canonical_id
 
