@@ -67,6 +67,18 @@ def test_csv_bad_header_and_unknown_format(tmp_path):
         read_measurements(write(tmp_path, "# only a comment\n"))
     with pytest.raises(MeasurementError, match="cannot read"):
         read_measurements(tmp_path / "missing.csv")
+    with pytest.raises(MeasurementError, match="m.csv: the header has no rows under it"):
+        read_measurements(write(tmp_path, HEADER))
+
+
+def test_calibration_table_errors(tmp_path):
+    header = "phase\tcategory\ta100_us\tl40s_us\tkernel\n"
+    with pytest.raises(MeasurementError, match=r"t.tsv:2: a100_us 'x' is not a number"):
+        read_measurements(write(tmp_path, header + "decode\tffn\tx\t2.0\tgemm_kernel\n", "t.tsv"))
+    with pytest.raises(MeasurementError, match=r"t.tsv:1: the calibration table lacks column\(s\) kernel"):
+        read_measurements(write(tmp_path, "phase\tcategory\ta100_us\tl40s_us\n", "t.tsv"))
+    with pytest.raises(MeasurementError, match=r"t.tsv:2: 3 fields"):
+        read_measurements(write(tmp_path, header + "decode\tffn\t1.0\n", "t.tsv"))
 
 
 def test_profile_kernels():

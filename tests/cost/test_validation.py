@@ -210,6 +210,15 @@ def test_nsys_kernels_predicted_from_the_reference(tmp_path):
     assert {c.measurement.device for c in swapped.comparisons} == {"A100-PCIE"}
     with pytest.raises(MeasurementError, match="--reference H100: no shape-less kernel"):
         validate(ValidationConfig((p,), reference="H100"))
+    with pytest.raises(MeasurementError, match="--reference: unknown device 'H1OO'"):
+        validate(ValidationConfig((p,), reference="H1OO"))
+
+
+def test_step_row_at_a_shape_the_model_cannot_take(tmp_path):
+    p = tmp_path / "m.csv"
+    p.write_text("device,model,op,shape,seconds\nA100,smollm2-135m,decode,batch=99999999,0.001\n")
+    with pytest.raises(MeasurementError, match=r"m.csv:2: cannot trace smollm2-135m decode at this shape"):
+        validate(ValidationConfig((p,)))
 
 
 def test_validate_cli_table_fit_plot_and_json(tmp_path):
@@ -251,6 +260,11 @@ def test_estimate_plan_and_simulate_take_factors(tmp_path):
     a = json.loads(runner.invoke(app, plan).stdout)[0]
     b = json.loads(runner.invoke(app, [*plan, "--factors", str(path)]).stdout)[0]
     assert b["latency_s"] == pytest.approx(2 * a["latency_s"], rel=1e-6)
+    sim = ["simulate", "smollm2-135m", "--cluster", "L40S:1", "--policy", "homogeneous", "--workload",
+           "fixed:in=64,out=16,requests=16", "--json"]
+    a = json.loads(runner.invoke(app, sim).stdout)
+    b = json.loads(runner.invoke(app, [*sim, "--factors", str(path)]).stdout)
+    assert b["makespan_s"] == pytest.approx(2 * a["makespan_s"], rel=1e-6)
     bad = tmp_path / "bad.json"
     bad.write_text('{"kind": "tessera-time-factors", "version": 1, "devices": {"L40S": {"gemm": -1}}}')
     for cmd in (["simulate", "smollm2-135m", "--cluster", "L40S:1"], ["plan", "smollm2-135m", "--cluster", "L40S:1"],

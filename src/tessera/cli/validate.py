@@ -26,8 +26,8 @@ def validate(
     measurements: list[Path] = typer.Argument(..., help="Measurement files: the CSV device,model,op,shape,seconds "
                                               "(docs/commands.md), `tessera profile` JSON, Nsight Systems "
                                               "cuda_gpu_trace CSV exports, or the calibration set's TSV."),
-    fit: Path = typer.Option(None, "--fit", help="Write time factors (per device and op class, the median "
-                             "measured / predicted) here, for --factors of estimate, plan, simulate and census."),
+    fit: Path = typer.Option(None, "--fit", help="Write time factors here (per device and op class, the factor "
+                             "that zeroes its median error), for --factors of estimate, plan, simulate and census."),
     min_count: int = typer.Option(MIN_FIT_MEASUREMENTS, "--min-count", help="--fit: fit a factor only for a "
                                   "device and op class with at least this many measurements."),
     factors: Path = opt.FACTORS,

@@ -185,7 +185,6 @@ def read_csv(path: Path, text: str) -> MeasurementSet:
 
 def read_profile(path: Path) -> MeasurementSet:
     """Every kernel of a `tessera profile` file, keyed by the step and the kernel's id."""
-    from tessera.cost.features import COST_CLASSES as classes
     from tessera.cost.profile import Profile, ProfileFormatError
 
     try:
@@ -202,7 +201,7 @@ def read_profile(path: Path) -> MeasurementSet:
             out.excluded.append(f"{where} ({k.id}): median time 0")
             continue
         # the profile records the op class; the cost class (gemv, reduction...) is set once the kernel is retraced
-        cls = k.op_class if k.op_class in classes else "elementwise"
+        cls = k.op_class if k.op_class in COST_CLASSES else "elementwise"
         out.measurements.append(Measurement(device, cls, k.median_s, where, KERNEL,
                                             ("kernel", prof.model, prof.phase, shape, k.id), k.id, prof.model,
                                             prof.phase, shape, signature=k.signature, threads=prof.threads))

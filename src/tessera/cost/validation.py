@@ -27,6 +27,7 @@ from tessera.capture.shapes import DEFAULT_GRAPH
 from tessera.cost.factors import ANY_CLASS, MIN_FIT_MEASUREMENTS, TimeFactors
 from tessera.cost.measurements import KERNEL, PAIRED, STEP, STEP_CLASS, TRACE, Measurement, MeasurementError
 from tessera.cost.options import CostOptions
+from tessera.errors import TesseraError
 from tessera.hardware.catalog import HOST_ID, DeviceSpec
 
 
@@ -152,9 +153,7 @@ def _step_predictions(rows: list[Measurement], options: CostOptions, graph_kind:
         try:
             graph = trace_model(model, phase, batch=sh.get("batch"), seq=sh.get("seq"), ctx=sh.get("ctx"),
                                 image=sh.get("image"), resolution=sh.get("resolution"), graph=graph_kind)
-        except MeasurementError:
-            raise
-        except Exception as e:  # a shape the model cannot take: name the row
+        except TesseraError as e:  # a shape the model cannot take (a limit, a bad image size): name the row
             raise MeasurementError(f"{ms[0].where}: cannot trace {model} {phase} at this shape: {e}") from None
         costs: dict[tuple[str, int | None], tuple[list, list]] = {}
         for m in ms:
