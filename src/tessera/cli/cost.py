@@ -39,6 +39,7 @@ def estimate(
     eager: bool = opt.EAGER,
     profile: Path = typer.Option(None, "--profile", help="A profile measured on DEVICE (`tessera profile`): its "
                                  "kernel times replace the roofline's."),
+    factors: Path = opt.FACTORS,
     graph_kind: str = opt.GRAPH,
     as_json: bool = opt.JSON,
 ) -> None:
@@ -52,7 +53,8 @@ def estimate(
 
     try:
         spec = resolve_device(device)
-        options = CostOptions(weights_dtype=weights_dtype, kv_dtype=kv_dtype, cuda_graphs=not eager)
+        options = CostOptions(weights_dtype=weights_dtype, kv_dtype=kv_dtype, cuda_graphs=not eager,
+                              factors=opt.load_factors(factors))
         prof = Profile.load(profile) if profile else None
         with _err.status(f"tracing {model} {phase} and estimating on {spec.id}..."):
             graph = trace_model(model, phase, batch=batch, seq=seq, ctx=ctx, image=image, resolution=resolution,
@@ -164,6 +166,7 @@ def census(
                               "census_<model>_<devA>_<devB>.png in the current directory; with --json: none)."),
     plot_by: str = typer.Option("phase", "--plot-by", help="One CDF curve per phase, class or block."),
     no_plot: bool = typer.Option(False, "--no-plot", help="Do not write the PNG."),
+    factors: Path = opt.FACTORS,
     graph_kind: str = opt.GRAPH,
     as_json: bool = opt.JSON,
 ) -> None:
@@ -180,7 +183,8 @@ def census(
         check_output_file(plot, "--plot", "census.png")
         chosen = census_phases(model, phases)  # model and phases are checked before anything is traced
         spec_a, spec_b = parse_devices(devices)
-        options = CostOptions(weights_dtype=weights_dtype, kv_dtype=kv_dtype, cuda_graphs=not eager)
+        options = CostOptions(weights_dtype=weights_dtype, kv_dtype=kv_dtype, cuda_graphs=not eager,
+                              factors=opt.load_factors(factors))
         with _err.status(f"tracing {model}...") as status:
             result = run_census(model, (spec_a, spec_b), chosen, options=options, batch=batch, seq=seq, ctx=ctx,
                                 image=image, resolution=resolution, graph=graph_kind,

@@ -29,10 +29,12 @@ def _mount_subcommands() -> None:
     from tessera.cli.run import register as register_run
     from tessera.cli.serve import register as register_serve
     from tessera.cli.simulate import register as register_simulate
+    from tessera.cli.validate import register as register_validate
 
     app.add_typer(ptx_app, name="ptx", help="Analyse and instrument PTX of opaque kernels.")
     register_hardware(app)
     register_cost(app)
+    register_validate(app)
     register_plan(app)
     register_run(app)
     register_simulate(app)

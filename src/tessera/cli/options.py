@@ -65,3 +65,16 @@ MAX_NUM_SEQS = typer.Option(_ADMISSION.max_num_seqs, "--max-num-seqs", help="Mos
 MEMORY_UTILIZATION = typer.Option(_ADMISSION.memory_utilization, "--gpu-memory-utilization", help="Share of each "
                                   "device's memory an engine uses for weights, activations and state.")
 BLOCK_SIZE = typer.Option(_ADMISSION.block_size, "--block-size", help="Tokens per paged KV block.")
+
+# measured time factors (`tessera validate --fit`), taken by estimate, census, plan, simulate and validate
+FACTORS = typer.Option(None, "--factors", help="Time factors per device and op class (`tessera validate --fit "
+                       "FILE`) multiplying the cost model's predicted kernel times.")
+
+
+def load_factors(path):
+    """The checked factors file of ``--factors`` (None when not given)."""
+    if path is None:
+        return None
+    from tessera.cost.factors import load_time_factors
+
+    return load_time_factors(path)

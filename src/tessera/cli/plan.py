@@ -51,6 +51,7 @@ def plan(
     mix_min_gain: float = typer.Option(_PLAN.mix_min_gain, "--mix-min-gain", help="Adopt a route mix (engines "
                                        "of different placements sharing the cluster) only when it plans this much "
                                        "above the best single-engine plan (0.05 = 5%; 0: any gain)."),
+    factors: Path = opt.FACTORS,
     as_json: bool = opt.JSON,
 ) -> None:
     """Plan a deployment: place every kernel on the device type that suits it (or solve a baseline policy)."""
@@ -66,7 +67,7 @@ def plan(
             output = Path("tessera-plan.json")
         check_output_file(output, "--output", "plan.json")
         config = PlanConfig(model, cluster, workload, policy, objective, device, max_batch, prices,
-                            CostOptions(weights_dtype, kv_dtype), skew, cache_ctx, expert_split,
+                            CostOptions(weights_dtype, kv_dtype, factors=opt.load_factors(factors)), skew, cache_ctx, expert_split,
                             AdmissionConfig(max_num_seqs, memory_utilization, block_size), mix_min_gain)
         ctx = PlanContext.from_config(config, progress=lambda s: _err.print(f"[dim]{s}[/]"))
         text, cl = ctx.workload_text, ctx.cluster

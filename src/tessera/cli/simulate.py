@@ -56,6 +56,7 @@ def simulate(
     max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", help="With --engine vllm: the "
                                                "token budget of one engine step (vLLM's default for its OpenAI "
                                                "server on a CPU and on GPUs under 70 GB)."),
+    factors: Path = opt.FACTORS,
     as_json: bool = opt.JSON,
 ) -> None:
     """Simulate serving a workload: the planned deployment's steps timed by running its device programs
@@ -68,7 +69,8 @@ def simulate(
 
     try:
         config = SimulationConfig(PlanConfig(model, cluster, workload, policy, device=device, max_batch=max_batch,
-                                             prices=prices, cost=CostOptions(weights_dtype, kv_dtype),
+                                             prices=prices, cost=CostOptions(weights_dtype, kv_dtype,
+                                                                               factors=opt.load_factors(factors)),
                                              routing_skew=skew,
                                              admission=AdmissionConfig(max_num_seqs, memory_utilization, block_size)),
                                   plan_file, max_context, seed)

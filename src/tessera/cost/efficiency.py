@@ -4,7 +4,7 @@ and host (CPU) factors fitted on this machine's profiles."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
@@ -32,6 +32,14 @@ class ClassEfficiency:
     memory: float
     floor_cycles: float
     overhead_s: float | None = None  # fixed host cost per kernel; None: the device's launch latency
+    scale: float = 1.0  # time multiplier from a factors file (`tessera validate --fit`); 1: none
+
+    def to_dict(self) -> dict:
+        """The JSON object of these factors (``scale`` only when set)."""
+        d = asdict(self)
+        if d["scale"] == 1.0:
+            d.pop("scale")
+        return d
 
 
 @dataclass(frozen=True)
@@ -43,16 +51,27 @@ class DeviceEfficiency:
     source: str
     fitted: tuple[str, ...] = field(default=())  # classes whose factors were fitted on measurements
     ops: dict[str, ClassEfficiency] = field(default_factory=dict)  # fitted per fused-op identity (merged_linear...)
+    scales: dict[str, float] = field(default_factory=dict)  # time multiplier per cost class (a factors file)
 
     def for_kernel(self, cost_class: str, op: str | None = None) -> ClassEfficiency:
-        """The factors of one kernel: its fused op's (identity) where fitted, else its class's."""
-        return self.ops.get(op, self.classes[cost_class]) if op else self.classes[cost_class]
+        """The factors of one kernel: its fused op's (identity) where fitted, else its class's; with its class's
+        time multiplier (``scales``) where a factors file gives one. Every predicted kernel time takes its
+        factors from here."""
+        eff = self.ops.get(op, self.classes[cost_class]) if op else self.classes[cost_class]
+        scale = self.scales.get(cost_class)
+        return replace(eff, scale=eff.scale * scale) if scale is not None else eff
+
+    def with_scales(self, scales: dict[str, float], source: str) -> DeviceEfficiency:
+        """These factors with per-class time multipliers (``source`` says where they came from)."""
+        if not scales:
+            return self
+        return replace(self, scales=dict(scales), source=f"{self.source}; time factors from {source}")
 
     def to_dict(self) -> dict:
         d = {"device": self.device, "source": self.source, "fitted": list(self.fitted),
-             "classes": {c: asdict(e) for c, e in self.classes.items()}}
+             "classes": {c: e.to_dict() for c, e in self.classes.items()}}
         if self.ops:
-            d["ops"] = {o: asdict(e) for o, e in self.ops.items()}
+            d["ops"] = {o: e.to_dict() for o, e in self.ops.items()}
         return d
 
     @classmethod

@@ -12,13 +12,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import tessera.kernels  # noqa: F401  (the fused ops declare their GEMM shapes when registered)
+from tessera.cost.classes import COST_CLASSES
 from tessera.cost.options import CostOptions
 from tessera.cost.routing import RoutingDistribution
 from tessera.graph.ir import Access, Kernel, KernelGraph
 from tessera.graph.opclass import FUSED, op_base_name
 
-COST_CLASSES = ("gemm", "gemv", "grouped_gemm", "attention", "conv", "embedding", "reduction", "scan", "copy",
-                "elementwise")
 GEMV_MAX_ROWS = 16  # a GEMM with at most this many rows (tokens) per matrix streams its weights: a GEMV
 TENSOR_CORE_CLASSES = ("gemm", "gemv", "grouped_gemm", "attention", "conv")
 

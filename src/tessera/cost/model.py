@@ -67,6 +67,16 @@ class StepEstimate:
         return {k: v | {"share": v["time_s"] / total} for k, v in sorted(rows.items(), key=lambda kv: -kv[1]["time_s"])}
 
 
+def device_efficiency(device: DeviceSpec, options: CostOptions = CostOptions(),
+                      efficiency: DeviceEfficiency | None = None) -> DeviceEfficiency:
+    """The factors the cost model uses on ``device``: ``efficiency`` or the device's own (fitted or priors),
+    with the time multipliers of the options' factors file for that device."""
+    eff = efficiency or efficiency_for(device)
+    if options.factors is None:
+        return eff
+    return eff.with_scales(options.factors.for_device(device.id, tuple(eff.classes)), options.factors.describe())
+
+
 class CostModel:
     """Kernel times on one device: a profile's measured median where it has the kernel, else the roofline."""
 
@@ -78,7 +88,7 @@ class CostModel:
         check_weights_supported(options, device)
         self.device, self.options = device, options
         self._checked: set[int] = set()  # graphs whose native weight formats were checked against the device
-        self.efficiency = efficiency or efficiency_for(device)
+        self.efficiency = device_efficiency(device, options, efficiency)
         self.measured = profile.by_signature() if profile is not None else {}
 
     def kernel_costs(self, graph: KernelGraph, features: list[KernelFeatures] | None = None) -> list[KernelCost]:

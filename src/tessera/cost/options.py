@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tessera.errors import TesseraError
+
+if TYPE_CHECKING:
+    from tessera.cost.factors import TimeFactors
 
 # Storage bits per element, block scales included (MXFP4: 4-bit e2m1 values plus one 8-bit E8M0 scale per 32).
 WEIGHT_DTYPE_BITS = {"bf16": 16.0, "fp16": 16.0, "fp8": 8.0, "mxfp4": 4.25}
@@ -49,12 +53,14 @@ class CostOptions:
     (FP8 weights run FP8 GEMMs where the part has FP8; MXFP4 runs FP4 GEMMs where it has FP4 and is
     dequantised to BF16 in the GEMM elsewhere). KV-cache traffic is rescaled to ``kv_dtype``. With
     ``cuda_graphs`` (what serving engines do) a kernel costs no host launch; without, every kernel pays the
-    device's launch latency. The CPU always pays its dispatch latency.
+    device's launch latency. The CPU always pays its dispatch latency. ``factors`` (a `--factors` file of
+    `tessera validate --fit`) multiplies predicted kernel times per device and cost class.
     """
 
     weights_dtype: str = NATIVE
     kv_dtype: str = "bf16"
     cuda_graphs: bool = True
+    factors: TimeFactors | None = None
 
     def __post_init__(self) -> None:
         if self.weights_dtype not in WEIGHTS_DTYPES:

@@ -80,10 +80,11 @@ def ideal_times(f: KernelFeatures, device: DeviceSpec, options: CostOptions = Co
 
 def kernel_time(f: KernelFeatures, device: DeviceSpec, eff: ClassEfficiency,
                 options: CostOptions = CostOptions()) -> KernelCost:
-    """Predicted time of one kernel: overhead + floor + max(compute, memory).
+    """Predicted time of one kernel: (overhead + floor + max(compute, memory)) x the class's time factor.
 
     The floor (a class's fixed cycles: ramp-up, one wave, tail) is paid by every kernel, so the shortest
-    kernels run at the clock's pace; host overhead is the launch (CPU: dispatch) cost."""
+    kernels run at the clock's pace; host overhead is the launch (CPU: dispatch) cost. The time factor
+    (``eff.scale``, 1 unless a `--factors` file gives one) scales every part alike."""
     compute, memory = ideal_times(f, device, options)
     compute_s, memory_s = compute / eff.compute, memory / eff.memory
     floor_s = eff.floor_cycles / device.boost_clock_hz
@@ -96,4 +97,5 @@ def kernel_time(f: KernelFeatures, device: DeviceSpec, eff: ClassEfficiency,
     work = max(compute_s, memory_s)
     fixed = overhead + floor_s
     bound = "latency" if fixed >= work else "compute" if compute_s >= memory_s else "memory"
-    return KernelCost(f.index, f.cost_class, fixed + work, compute_s, memory_s, fixed, bound)
+    k = eff.scale
+    return KernelCost(f.index, f.cost_class, k * (fixed + work), k * compute_s, k * memory_s, k * fixed, bound)

@@ -23,6 +23,7 @@ from tessera.cost.profile import KernelTiming, Profile, kernel_signature
 from tessera.errors import TesseraError
 from tessera.graph.codec import tensor_refs
 from tessera.graph.ir import Kernel, KernelGraph, TensorRef
+from tessera.hardware.devices import gpu_id
 from tessera.limits import CPU_WORKERS, PROFILE_CALLS, THREADS
 from tessera.program.program import single_device_program
 from tessera.runtime.executor import Executor
@@ -45,17 +46,7 @@ class ProfileTarget:
     threads: int | None  # CPU threads (None on a GPU)
 
 
-def _gpu_id(name: str) -> str:
-    """The canonical catalog id of a CUDA device name ("NVIDIA H200" -> "H200"); the name if unknown."""
-    from tessera.hardware.devices import resolve_device
-
-    words = re.split(r"[\s\-_]+", re.sub(r"^(NVIDIA|AMD)\s+|GeForce\s+", "", name.strip()))
-    for n in range(len(words), 0, -1):  # "H100 80GB HBM3" -> "H100 80GB" -> "H100"
-        try:
-            return resolve_device(" ".join(words[:n])).id
-        except TesseraError:
-            continue
-    return name
+_gpu_id = gpu_id  # the catalog id of a CUDA device name (kept under its old name)
 
 
 def resolve_target(device: str, threads: int | None = None) -> ProfileTarget:
