@@ -13,6 +13,7 @@ from tessera.hardware.catalog import (
     HALF_RATE,
     HOST_FIGURES,
     DeviceCatalogError,
+    figure_values,
     host_row,
     load_devices,
 )
@@ -22,29 +23,20 @@ from tessera.hardware.sources import CONVERSIONS, STATUSES
 SPECS = load_devices()
 
 
-def _figures(spec):
-    """Every figure a GPU row must cite, with its value in the YAML's unit read back from the SI spec."""
-    cc = spec.compute_capability
-    values = {
-        "memory_gb": spec.memory_bytes / 1e9,
-        "bandwidth_tb_s": spec.memory_bandwidth / 1e12,
-        **{f"tflops.{path}": flops / 1e12 for path, flops in spec.flops.items()},
-        "sm_count": spec.sm_count,
-        "compute_capability": None if cc is None else cc[0] + cc[1] / 10,
-        "boost_clock_mhz": spec.boost_clock_hz / 1e6,
-        "l2_mib": spec.l2_bytes / 2**20,
-        "launch_latency_us": spec.launch_latency_s / 1e-6,
-        "nvlink_gb_s": None if spec.nvlink_bandwidth is None else spec.nvlink_bandwidth / 1e9,
-        "pcie_gb_s": spec.pcie_bandwidth / 1e9,
-        "prices": None,
-    }
-    return values
+def test_figure_values_are_in_the_yaml_units():
+    values = figure_values(resolve_device("A100"))
+    assert values == pytest.approx({"memory_gb": 80, "bandwidth_tb_s": 2.039, "tflops.fp32": 19.5, "tflops.tf32": 156,
+                                    "tflops.bf16": 312, "tflops.fp16": 312, "sm_count": 108, "compute_capability": 8.0,
+                                    "boost_clock_mhz": 1410, "l2_mib": 40, "launch_latency_us": 3, "nvlink_gb_s": 300,
+                                    "pcie_gb_s": 32, "prices": None})
+    assert figure_values(resolve_device("RTXPRO6000"))["compute_capability"] == 12.0
+    assert figure_values(resolve_device("MI300X"))["compute_capability"] is None
 
 
 @pytest.mark.parametrize("dev", sorted(SPECS))
 def test_every_figure_cites_its_document(dev):
     spec = SPECS[dev]
-    assert set(spec.sources) == set(_figures(spec))
+    assert set(spec.sources) == set(figure_values(spec))
     for figure, cite in spec.sources.items():
         assert cite.figure == figure and cite.status in STATUSES
         if cite.status == "printed":
@@ -59,7 +51,7 @@ def test_every_figure_cites_its_document(dev):
 def test_catalog_equals_the_cited_printed_figure(dev):
     spec = SPECS[dev]
     quoted = 0
-    for figure, value in _figures(spec).items():
+    for figure, value in figure_values(spec).items():
         cite = spec.sources[figure]
         if cite.number is None:
             continue

@@ -22,7 +22,7 @@ def test_conversions_multiply_in_order():
     cite = parse_citation("tflops.tf32", {"doc": "ds", "printed": "TF32 2.2 PFLOPS*", "number": 2.2,
                                           "convert": ["PFLOPS to TFLOPS", "sparse to dense"]}, DOCS)
     assert cite.factor() == 500 and cite.expected() == pytest.approx(1100)
-    assert "sparse to dense" in cite.describe() and cite.describe().startswith("A datasheet: TF32 2.2")
+    assert cite.text() == "TF32 2.2 PFLOPS* (PFLOPS to TFLOPS; sparse to dense)"
 
 
 def test_a_null_value_takes_no_number():

@@ -365,6 +365,25 @@ def load_devices(path: Path | None = None) -> dict[str, DeviceSpec]:
     return dict(_catalog(path).specs)
 
 
+def figure_values(spec: DeviceSpec) -> dict[str, float | None]:
+    """A GPU spec's cited figures in devices.yaml's units (TB/s, TFLOP/s, MHz, MiB, ...), read back from its SI
+    fields: the keys of `spec.sources`. `prices` (two scenarios) and absent links are None."""
+    cc = spec.compute_capability
+    return {
+        "memory_gb": spec.memory_bytes / 1e9,
+        "bandwidth_tb_s": spec.memory_bandwidth / 1e12,
+        **{f"tflops.{path}": spec.flops[path] / 1e12 for path in FLOP_PATHS if path in spec.flops},
+        "sm_count": float(spec.sm_count),
+        "compute_capability": None if cc is None else float(f"{cc[0]}.{cc[1]}"),
+        "boost_clock_mhz": spec.boost_clock_hz / 1e6,
+        "l2_mib": spec.l2_bytes / 2**20,
+        "launch_latency_us": spec.launch_latency_s / 1e-6,
+        "nvlink_gb_s": None if spec.nvlink_bandwidth is None else spec.nvlink_bandwidth / 1e9,
+        "pcie_gb_s": spec.pcie_bandwidth / 1e9,
+        "prices": None,
+    }
+
+
 def datasheet_spec(device_id: str) -> DeviceSpec:
     """The packaged catalog's spec of a canonical GPU id (see `canonical_id`)."""
     return _default_catalog().specs[device_id]

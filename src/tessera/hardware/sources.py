@@ -81,15 +81,14 @@ class Citation:
             return want is None and (value is None or self.status != "printed")
         return math.isclose(value, want, rel_tol=TOLERANCE)
 
-    def describe(self) -> str:
-        """One line for tables: the document and the printed figure (or the note)."""
-        doc = self.doc.title if self.doc else self.status
+    def text(self) -> str:
+        """The figure as printed with its conversions, then the note: one line for audit tables."""
         text = self.printed or ""
         if self.convert:
             text += f" ({'; '.join(self.convert)})"
         if self.note:
             text = f"{text}; {self.note}" if text else self.note
-        return f"{doc}: {text}" if text else doc
+        return text
 
 
 class CitationError(ValueError):
