@@ -10,7 +10,6 @@ import yaml
 from tessera.hardware.catalog import (
     ACCUMULATE,
     DEVICES_FILE,
-    HALF_RATE,
     HOST_FIGURES,
     DeviceCatalogError,
     figure_values,
@@ -18,7 +17,7 @@ from tessera.hardware.catalog import (
     load_devices,
 )
 from tessera.hardware.devices import resolve_device
-from tessera.hardware.sources import CONVERSIONS, STATUSES
+from tessera.hardware.sources import CONVERSIONS, HALF_RATE, STATUSES
 
 SPECS = load_devices()
 
@@ -151,6 +150,14 @@ def _unknown_conversion(doc):
     _row(doc, "H100")["sources"]["nvlink_gb_s"]["convert"] = ["halved"]
 
 
+def _price_with_one_number(doc):
+    _row(doc, "A100")["sources"]["prices"] = {"doc": "a100-ds", "printed": "relative 1.5", "number": 1.5}
+
+
+def _document_without_url(doc):
+    doc["documents"]["a100-ds"]["url"] = "nvidia.com/a100.pdf"
+
+
 def _host_missing_citation(doc):
     del _row(doc, "cpu")["sources"]["l2_mib"]
 
@@ -166,6 +173,8 @@ def _host_missing_citation(doc):
     (_estimate_without_note, ["row 10 (id 'L4')", "'sources.prices'", "'note'"]),
     (_printed_without_document, ["row 10 (id 'L4')", "'sources.memory_gb'", "names its document"]),
     (_unknown_conversion, ["row 3 (id 'H100')", "'sources.nvlink_gb_s'", "'convert'", "sparse to dense"]),
+    (_price_with_one_number, ["row 0 (id 'A100')", "'sources.prices'", "one number for a mapping"]),
+    (_document_without_url, ["documents: document 'a100-ds'", "http(s) URLs"]),
     (_host_missing_citation, ["row 18 (id 'cpu')", "'sources.l2_mib'", "missing citation"]),
 ])
 def test_loader_rejects_a_row_without_a_matching_citation(tmp_path, mutate, expected):

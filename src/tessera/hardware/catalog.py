@@ -19,7 +19,14 @@ from typing import Any
 
 from tessera.documents import read_yaml
 from tessera.errors import TesseraError
-from tessera.hardware.sources import Citation, CitationError, Document, parse_citation, parse_document
+from tessera.hardware.sources import (
+    HALF_RATE,
+    Citation,
+    CitationError,
+    Document,
+    parse_citation,
+    parse_document,
+)
 
 DEVICES_FILE = Path(__file__).with_name("devices.yaml")
 HOST_ID = "cpu"
@@ -31,7 +38,6 @@ ACCUMULATE = {
     "fp32": "the printed FP32-accumulate rate (data-centre and professional parts run it at full rate)",
     "fp32-half-rate": "half the printed FP16-accumulate rate (GeForce parts run FP32 accumulate at half rate)",
 }
-HALF_RATE = "FP16 accumulate to FP32 accumulate"
 
 
 class UnknownDeviceError(TesseraError):
@@ -226,10 +232,10 @@ class _Row:
                 raise self.fail(f"sources.{figure}", str(e)) from None
             got = self.figure_value(figure)
             if figure == "compute_capability" and got is not None:
-                got = float(got)
-            if isinstance(got, dict) or (cite.number is not None and not isinstance(got, int | float)):
+                got = float(got)  # "8.9" -> 8.9, as the CUDA table prints it
+            if isinstance(got, dict):  # prices: two scenarios, cited as a whole
                 if cite.number is not None:
-                    raise self.fail(f"sources.{figure}", f"quotes a number but the row's value is {got!r}")
+                    raise self.fail(f"sources.{figure}", "cites one number for a mapping of values")
             elif not cite.matches(got):
                 raise self.fail(f"sources.{figure}", f"the row says {got!r} but the citation gives "
                                                      f"{_expected(cite)} ({cite.printed!r})")
@@ -298,7 +304,7 @@ def _host_row(row: _Row, documents: dict[str, Document]) -> _HostRow:
 
 def _documents(path: Path, value: Any) -> dict[str, Document]:
     if not isinstance(value, dict) or not value:
-        raise DeviceCatalogError(f"{path}: 'documents' must map document keys to title / url / copy")
+        raise DeviceCatalogError(f"{path}: 'documents' must map document keys to title / url / copies")
     try:
         return {str(key): parse_document(str(key), data) for key, data in value.items()}
     except CitationError as e:

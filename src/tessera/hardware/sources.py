@@ -22,10 +22,13 @@ from dataclasses import dataclass
 #   measured     measured on this host (the `cpu` row)
 STATUSES = ("printed", "derived", "unconfirmed", "estimate", "measured")
 
+# GeForce parts print FP16-accumulate tensor rates and run FP32 accumulate (what the kernels use) at half of them.
+HALF_RATE = "FP16 accumulate to FP32 accumulate"
+
 # Named conversions from a printed number to the catalog's unit, and their factors.
 CONVERSIONS = {
     "sparse to dense": 0.5,  # tensor figures printed with 2:4 sparsity (marked * on NVIDIA datasheets)
-    "FP16 accumulate to FP32 accumulate": 0.5,  # GeForce: FP32 accumulate runs at half the printed rate
+    HALF_RATE: 0.5,
     "bidirectional to per direction": 0.5,
     "8 GPUs to one": 1 / 8,
     "GB/s to TB/s": 1e-3,
