@@ -59,6 +59,12 @@ def test_catalog_equals_the_cited_printed_figure(dev):
     assert quoted >= 5, f"{dev}: fewer than 5 figures quote a printed number"
 
 
+def test_every_listed_document_is_cited():
+    listed = set(yaml.safe_load(DEVICES_FILE.read_text())["documents"])
+    cited = {c.doc.key for spec in SPECS.values() for c in spec.sources.values() if c.doc}
+    assert cited == listed
+
+
 def test_estimates_say_so_and_the_host_cites_its_measurement():
     for spec in SPECS.values():
         assert spec.sources["prices"].status == "estimate"

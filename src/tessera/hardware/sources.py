@@ -84,6 +84,12 @@ class Citation:
             return want is None and (value is None or self.status != "printed")
         return math.isclose(value, want, rel_tol=TOLERANCE)
 
+    def to_dict(self) -> dict:
+        """Plain data for JSON output: status, document (title, url), printed, number, convert, note."""
+        doc = None if self.doc is None else {"title": self.doc.title, "url": self.doc.url, "copies": list(self.doc.copies)}
+        return {"status": self.status, "document": doc, "printed": self.printed, "number": self.number,
+                "convert": list(self.convert), "note": self.note}
+
     def text(self) -> str:
         """The figure as printed with its conversions, then the note: one line for audit tables."""
         text = self.printed or ""
