@@ -18,6 +18,10 @@ def test_catalog_json_lists_every_datasheet_device_with_its_source():
     assert {"A100", "A100-PCIE", "H100", "H200", "B200", "L40S", "RTXPRO6000", "MI300X"} <= set(rows)
     assert rows["L40S"]["memory_bandwidth"] == 0.864e12 and round(rows["L40S"]["flops"]["bf16"] / 1e12) == 362
     assert all(d["source"] and d["as_of"] for d in rows.values())
+    assert rows["RTX4090"]["accumulate"] == "fp32-half-rate" and rows["A100"]["accumulate"] == "fp32"
+    bf16 = rows["A100"]["sources"]["tflops.bf16"]
+    assert bf16["status"] == "printed" and bf16["number"] == 312 and "datasheet" in bf16["document"]["title"]
+    assert rows["B200"]["sources"]["tflops.tf32"]["convert"] == ["PFLOPS to TFLOPS", "sparse to dense"]
 
 
 def test_catalog_table():

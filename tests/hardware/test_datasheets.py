@@ -1,81 +1,197 @@
-"""The catalog's figures equal the datasheet values, in the precision the kernels use.
-
-Tensor figures are dense (datasheets' sparse figures halved) with FP32 accumulate (GeForce RTX 4090: half
-its FP16-accumulate rate, Ada whitepaper appendix A: 165.2 FP16/BF16 TFLOP/s, FP8 330.3). Bandwidth TB/s,
-L2 MiB (MB as printed), boost clock MHz, compute capability from the CUDA programming guide.
-Sources per row are in devices.yaml (`source`).
+"""The catalog against its datasheets: every figure of every row cites its document, and equals the number
+the document prints after the conversions the citation names (sparse to dense, bidirectional to per
+direction, GeForce FP16 accumulate to FP32 accumulate, units). The citations live in devices.yaml
+(`sources`), so the figures are written once: these tests read them back through the loaded specs.
 """
 
 import pytest
+import yaml
 
+from tessera.hardware.catalog import (
+    ACCUMULATE,
+    DEVICES_FILE,
+    HOST_FIGURES,
+    DeviceCatalogError,
+    figure_values,
+    host_row,
+    load_devices,
+)
 from tessera.hardware.devices import resolve_device
+from tessera.hardware.sources import CONVERSIONS, HALF_RATE, STATUSES
 
-# id: (fp32, tf32, bf16, fp16, fp8, fp4, TB/s, L2 MB, SMs, boost MHz, compute capability)
-DATASHEET = {
-    # A100 datasheet (dense) / GA100 whitepaper
-    "A100": (19.5, 156, 312, 312, None, None, 2.039, 40, 108, 1410, (8, 0)),
-    "A100-PCIE": (19.5, 156, 312, 312, None, None, 1.935, 40, 108, 1410, (8, 0)),
-    "A100-40G": (19.5, 156, 312, 312, None, None, 1.555, 40, 108, 1410, (8, 0)),
-    # H100 / H200 datasheets (sparse halved) / Hopper whitepaper
-    "H100": (67, 494.7, 989.4, 989.4, 1978.9, None, 3.35, 50, 132, 1980, (9, 0)),
-    "H100-PCIE": (51, 378, 756, 756, 1513, None, 2.0, 50, 114, 1755, (9, 0)),
-    "H200": (67, 494.7, 989.4, 989.4, 1978.9, None, 4.8, 50, 132, 1980, (9, 0)),
-    "H20": (44, 74, 148, 148, 296, None, 4.0, 60, 78, 1755, (9, 0)),
-    # HGX B200 datasheet / 8, sparse halved
-    "B200": (75, 1125, 2250, 2250, 4500, 9000, 8.0, 126, 148, 1965, (10, 0)),
-    # Ada datasheets (L40S full-rate FP32 accumulate; L40 prints half the L40S's tensor rates)
-    "L40S": (91.6, 183, 362.05, 362.05, 733, None, 0.864, 96, 142, 2520, (8, 9)),
-    "L40": (90.5, 90.5, 181.05, 181.05, 362.1, None, 0.864, 96, 142, 2490, (8, 9)),
-    "L4": (30.3, 60, 121, 121, 242.5, None, 0.3, 48, 58, 2040, (8, 9)),
-    # GA102 parts (datasheets, sparse halved; professional parts accumulate FP32 at full rate)
-    "A10": (31.2, 62.5, 125, 125, None, None, 0.6, 6, 72, 1695, (8, 6)),
-    "A40": (37.4, 74.8, 149.7, 149.7, None, None, 0.696, 6, 84, 1740, (8, 6)),
-    "A6000": (38.7, 77.4, 154.8, 154.8, None, None, 0.768, 6, 84, 1800, (8, 6)),
-    # Ada whitepaper appendix A, FP32-accumulate column (GeForce: half the FP16-accumulate 330.3)
-    "RTX4090": (82.6, 82.6, 165.2, 165.2, 330.3, None, 1.008, 72, 128, 2520, (8, 9)),
-    # RTX Blackwell whitepaper (dense, FP32 accumulate; 4 PFLOP/s FP4 is sparse)
-    "RTXPRO6000": (125, 251.9, 503.8, 503.8, 1007.6, 2015.2, 1.792, 128, 188, 2617, (12, 0)),
-    # Tesla V100 SXM2 datasheet (FP16 tensor cores only)
-    "V100": (15.7, None, None, 125, None, None, 0.9, 6, 80, 1530, (7, 0)),
-    # AMD Instinct MI300X data sheet (dense matrix; 256 MB Infinity Cache as the last level)
-    "MI300X": (81.7, 653.7, 1307.4, 1307.4, 2614.9, None, 5.3, 256, 304, 2100, None),
-}
-PATHS = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
+SPECS = load_devices()
 
 
-@pytest.mark.parametrize("dev", sorted(DATASHEET))
-def test_catalog_equals_datasheet(dev):
-    *tflops, tbs, l2, sms, mhz, cc = DATASHEET[dev]
-    spec = resolve_device(dev)
-    for path, value in zip(PATHS, tflops, strict=True):
-        got = spec.peak_flops(path)
-        assert (got is None) if value is None else got == pytest.approx(value * 1e12), (dev, path, got)
-    assert spec.memory_bandwidth == pytest.approx(tbs * 1e12)
-    assert spec.l2_bytes == l2 * 2**20
-    assert spec.sm_count == sms
-    assert spec.boost_clock_hz == pytest.approx(mhz * 1e6)
-    assert spec.compute_capability == cc
+def test_figure_values_are_in_the_yaml_units():
+    values = figure_values(resolve_device("A100"))
+    assert values == pytest.approx({"memory_gb": 80, "bandwidth_tb_s": 2.039, "tflops.fp32": 19.5, "tflops.tf32": 156,
+                                    "tflops.bf16": 312, "tflops.fp16": 312, "sm_count": 108, "compute_capability": 8.0,
+                                    "boost_clock_mhz": 1410, "l2_mib": 40, "launch_latency_us": 3, "nvlink_gb_s": 300,
+                                    "pcie_gb_s": 32, "prices": None})
+    assert figure_values(resolve_device("RTXPRO6000"))["compute_capability"] == 12.0
+    assert figure_values(resolve_device("MI300X"))["compute_capability"] is None
 
 
-def test_every_catalog_gpu_is_in_the_table():
-    from tessera.hardware.catalog import load_devices
+@pytest.mark.parametrize("dev", sorted(SPECS))
+def test_every_figure_cites_its_document(dev):
+    spec = SPECS[dev]
+    assert set(spec.sources) == set(figure_values(spec))
+    for figure, cite in spec.sources.items():
+        assert cite.figure == figure and cite.status in STATUSES
+        if cite.status == "printed":
+            assert cite.doc is not None and cite.printed, (dev, figure)
+            assert cite.doc.url or cite.doc.copies, (dev, figure, "a document says where it can be read")
+        else:
+            assert cite.note, (dev, figure, "a figure not printed says how it was obtained")
+        assert all(c in CONVERSIONS for c in cite.convert)
 
-    assert set(load_devices()) == set(DATASHEET)
+
+@pytest.mark.parametrize("dev", sorted(SPECS))
+def test_catalog_equals_the_cited_printed_figure(dev):
+    spec = SPECS[dev]
+    quoted = 0
+    for figure, value in figure_values(spec).items():
+        cite = spec.sources[figure]
+        if cite.number is None:
+            continue
+        quoted += 1
+        assert value is not None and cite.matches(value), (dev, figure, value, cite.printed, cite.convert)
+    assert quoted >= 5, f"{dev}: fewer than 5 figures quote a printed number"
 
 
-def test_geforce_fp32_accumulate_is_half_the_fp16_accumulate_rate():
-    # RTX 4090: 330.3 TFLOP/s dense FP16 with FP16 accumulate (Ada whitepaper); the kernels accumulate in FP32
-    assert resolve_device("RTX4090").peak_flops("bf16") == pytest.approx(330.3e12 / 2, rel=1e-3)
+def test_every_listed_document_is_cited():
+    listed = set(yaml.safe_load(DEVICES_FILE.read_text())["documents"])
+    cited = {c.doc.key for spec in SPECS.values() for c in spec.sources.values() if c.doc}
+    assert cited == listed
+
+
+def test_estimates_say_so_and_the_host_cites_its_measurement():
+    for spec in SPECS.values():
+        assert spec.sources["prices"].status == "estimate"
+        assert spec.sources["launch_latency_us"].status == "estimate"
+    host = host_row().sources
+    assert set(host) == set(HOST_FIGURES)
+    assert {c.status for f, c in host.items() if f not in ("prices", "pcie_gb_s")} == {"measured"}
+
+
+def test_every_row_states_which_tensor_figure_it_uses():
+    assert {spec.accumulate for spec in SPECS.values()} <= set(ACCUMULATE)
+    geforce = {d for d, s in SPECS.items() if "GeForce" in s.name}
+    assert geforce == {"RTX4090"}
+    for dev, spec in SPECS.items():
+        assert spec.accumulate == ("fp32-half-rate" if dev in geforce else "fp32"), dev
+
+
+def test_geforce_fp32_accumulate_is_half_the_printed_fp16_accumulate_rate():
+    spec = resolve_device("RTX4090")
+    for path in ("bf16", "fp16", "fp8"):
+        cite = spec.sources[f"tflops.{path}"]
+        assert HALF_RATE in cite.convert
+        # printed: 661 (1321) TFLOPS with FP16 accumulate and sparsity; FP32 accumulate dense is a quarter
+        assert spec.peak_flops(path) == pytest.approx(cite.number / 4 * 1e12, rel=1e-3)
+    assert spec.peak_flops("bf16") == pytest.approx(330.3e12 / 2, rel=1e-3)
+
+
+def test_audited_values_follow_the_datasheets():
+    # the values the audit of 2026-12-04 changed, each to the cited printed figure
+    assert resolve_device("B200").memory_bandwidth == pytest.approx(7.7e12)  # HGX B200: 180GB HBM3E | 7.7TB/s
+    assert resolve_device("B200").peak_flops("tf32") == pytest.approx(1100e12)  # TF32 2.2 PFLOPS with sparsity
+    assert resolve_device("L40").peak_flops("fp8") == pytest.approx(362e12)  # FP8 Tensor Core 362 | 724*
+    assert resolve_device("MI300X").peak_flops("fp32") == pytest.approx(163.4e12)  # FP32 vector, not FP64's 81.7
+
+
+# --- the loader rejects a row whose citations are missing or disagree with it -------------------------------
+
+def _load(tmp_path, mutate):
+    doc = yaml.safe_load(DEVICES_FILE.read_text())
+    mutate(doc)
+    path = tmp_path / "devices.yaml"
+    path.write_text(yaml.safe_dump(doc, allow_unicode=True))
+    with pytest.raises(DeviceCatalogError) as e:
+        load_devices(path)
+    return str(e.value)
+
+
+def _row(doc, rid):
+    return next(r for r in doc["devices"] if r["id"] == rid)
+
+
+def _drop_citation(doc):
+    del _row(doc, "H100")["sources"]["tflops.bf16"]
+
+
+def _wrong_value(doc):
+    _row(doc, "H100")["tflops"]["bf16"] = 991
+
+
+def _extra_citation(doc):
+    _row(doc, "A100")["sources"]["tflops.fp8"] = {"status": "estimate", "note": "none"}
+
+
+def _unknown_document(doc):
+    _row(doc, "A100")["sources"]["memory_gb"]["doc"] = "a100-brochure"
+
+
+def _number_not_printed(doc):
+    _row(doc, "A100")["sources"]["memory_gb"]["number"] = 81
+
+
+def _half_rate_on_data_centre_part(doc):
+    _row(doc, "A100")["accumulate"] = "fp32-half-rate"
+
+
+def _no_accumulate_field(doc):
+    del _row(doc, "L40S")["accumulate"]
+
+
+def _estimate_without_note(doc):
+    _row(doc, "L4")["sources"]["prices"] = {"status": "estimate"}
+
+
+def _printed_without_document(doc):
+    del _row(doc, "L4")["sources"]["memory_gb"]["doc"]
+
+
+def _unknown_conversion(doc):
+    _row(doc, "H100")["sources"]["nvlink_gb_s"]["convert"] = ["halved"]
+
+
+def _price_with_one_number(doc):
+    _row(doc, "A100")["sources"]["prices"] = {"doc": "a100-ds", "printed": "relative 1.5", "number": 1.5}
+
+
+def _document_without_url(doc):
+    doc["documents"]["a100-ds"]["url"] = "nvidia.com/a100.pdf"
+
+
+def _host_missing_citation(doc):
+    del _row(doc, "cpu")["sources"]["l2_mib"]
+
+
+@pytest.mark.parametrize("mutate,expected", [
+    (_drop_citation, ["row 3 (id 'H100')", "'sources.tflops.bf16'", "missing citation"]),
+    (_wrong_value, ["row 3 (id 'H100')", "'sources.tflops.bf16'", "the row says 991", "989.4"]),
+    (_extra_citation, ["row 0 (id 'A100')", "'sources.tflops.fp8'", "does not have"]),
+    (_unknown_document, ["row 0 (id 'A100')", "'sources.memory_gb'", "unknown document 'a100-brochure'"]),
+    (_number_not_printed, ["row 0 (id 'A100')", "'sources.memory_gb'", "number 81 does not appear"]),
+    (_half_rate_on_data_centre_part, ["row 0 (id 'A100')", "'sources.tflops.bf16'", "must convert"]),
+    (_no_accumulate_field, ["row 8 (id 'L40S')", "'accumulate'", "missing"]),
+    (_estimate_without_note, ["row 10 (id 'L4')", "'sources.prices'", "'note'"]),
+    (_printed_without_document, ["row 10 (id 'L4')", "'sources.memory_gb'", "names its document"]),
+    (_unknown_conversion, ["row 3 (id 'H100')", "'sources.nvlink_gb_s'", "'convert'", "sparse to dense"]),
+    (_price_with_one_number, ["row 0 (id 'A100')", "'sources.prices'", "one number for a mapping"]),
+    (_document_without_url, ["documents: document 'a100-ds'", "http(s) URLs"]),
+    (_host_missing_citation, ["row 18 (id 'cpu')", "'sources.l2_mib'", "missing citation"]),
+])
+def test_loader_rejects_a_row_without_a_matching_citation(tmp_path, mutate, expected):
+    msg = _load(tmp_path, mutate)
+    for part in expected:
+        assert part in msg, (part, msg)
 
 
 def test_bad_compute_capability_is_named(tmp_path):
-    import yaml
+    def mutate(doc):
+        doc["devices"][0]["compute_capability"] = "eight"
 
-    from tessera.hardware.catalog import DEVICES_FILE, DeviceCatalogError, load_devices
-
-    doc = yaml.safe_load(DEVICES_FILE.read_text())
-    doc["devices"][0]["compute_capability"] = "eight"
-    path = tmp_path / "devices.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    with pytest.raises(DeviceCatalogError, match=r"row 0 \(id 'A100'\), field 'compute_capability'.*8\.0"):
-        load_devices(path)
+    msg = _load(tmp_path, mutate)
+    assert "row 0 (id 'A100'), field 'compute_capability'" in msg and "8.0" in msg

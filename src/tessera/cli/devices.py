@@ -52,7 +52,9 @@ def devices(
         print(json.dumps([{"id": s.id, "name": s.name, "aliases": list(s.aliases), "memory_bytes": s.memory_bytes,
                            "memory_bandwidth": s.memory_bandwidth, "flops": s.flops, "sm_count": s.sm_count,
                            "boost_clock_hz": s.boost_clock_hz, "l2_bytes": s.l2_bytes, "prices": s.prices,
-                           "source": s.source, "as_of": s.as_of} for s in specs.values()], indent=2))
+                           "source": s.source, "as_of": s.as_of, "accumulate": s.accumulate,
+                           "sources": {f: c.to_dict() for f, c in s.sources.items()}} for s in specs.values()],
+                         indent=2))
         return
     table = Table(title="Tessera device catalog (dense peak figures from datasheets)")
     for col in ("id", "GB", "TB/s", "bf16", "fp8", "fp4", "fp32", "SMs", "GHz", "L2", "$"):
@@ -64,7 +66,8 @@ def devices(
     _out.print(table)
     _out.print("TFLOP/s dense per path (bf16/fp8/fp4 tensor, fp32 vector); L2 in MiB; $ = relative price per device-hour. "
                "cpu = this host, measured on first use (cpu:N = one of N workers sharing its cores). Sources and "
-               "as_of dates: src/tessera/hardware/devices.yaml (or --json).")
+               "as_of dates: src/tessera/hardware/devices.yaml (or --json); one citation per figure: "
+               "benchmarks/catalog_audit.py.")
 
 
 def register(app: typer.Typer) -> None:

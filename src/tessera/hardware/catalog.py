@@ -9,6 +9,7 @@ bandwidth, op dispatch latency) and caches the result as JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 from dataclasses import dataclass
@@ -18,12 +19,25 @@ from typing import Any
 
 from tessera.documents import read_yaml
 from tessera.errors import TesseraError
+from tessera.hardware.sources import (
+    HALF_RATE,
+    Citation,
+    CitationError,
+    Document,
+    parse_citation,
+    parse_document,
+)
 
 DEVICES_FILE = Path(__file__).with_name("devices.yaml")
 HOST_ID = "cpu"
 FLOP_PATHS = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
 PRICE_SCENARIOS = ("relative", "cloud_usd")
 VENDORS = ("nvidia", "amd", "host")
+# Which tensor figure a row uses for bf16/fp16/fp8 (all with FP32 accumulate, what the kernels use):
+ACCUMULATE = {
+    "fp32": "the printed FP32-accumulate rate (data-centre and professional parts run it at full rate)",
+    "fp32-half-rate": "half the printed FP16-accumulate rate (GeForce parts run FP32 accumulate at half rate)",
+}
 
 
 class UnknownDeviceError(TesseraError):
@@ -58,6 +72,8 @@ class DeviceSpec:
     measured: bool = False
     threads: int | None = None
     compute_capability: tuple[int, int] | None = None  # NVIDIA SM version (8.0 = A100); None for AMD and CPU
+    sources: dict[str, Citation] = dataclasses.field(default_factory=dict)  # YAML figure -> where it comes from
+    accumulate: str | None = None  # key of ACCUMULATE: which tensor figure bf16/fp16/fp8 use; None for cpu
 
     def peak_flops(self, path: str) -> float | None:
         """Dense peak FLOP/s of compute path `path` ("fp32", "bf16", ...); None when the part lacks it."""
@@ -88,8 +104,13 @@ _NUMBERS = {
 }
 _TEXT = ("id", "name", "vendor", "arch", "source", "as_of")
 _GPU_FIELDS = frozenset(_TEXT) | frozenset(_NUMBERS) | {"tflops", "sm_count", "prices", "aliases",
-                                                         "compute_capability"}
-_HOST_FIELDS = frozenset({"id", "vendor", "prices", "aliases", "source", "as_of"})
+                                                         "compute_capability", "accumulate", "sources"}
+_HOST_FIELDS = frozenset({"id", "vendor", "prices", "aliases", "source", "as_of", "sources"})
+# Figures a GPU row cites besides one `tflops.<path>` per path it lists; the `cpu` row cites what it measures.
+_GPU_FIGURES = ("memory_gb", "bandwidth_tb_s", "sm_count", "compute_capability", "boost_clock_mhz", "l2_mib",
+                "launch_latency_us", "nvlink_gb_s", "pcie_gb_s", "prices")
+HOST_FIGURES = ("memory_gb", "bandwidth_tb_s", "tflops", "sm_count", "boost_clock_mhz", "l2_mib",
+                "launch_latency_us", "pcie_gb_s", "prices")
 
 
 @dataclass(frozen=True)
@@ -101,6 +122,7 @@ class _HostRow:
     aliases: tuple[str, ...]
     source: str
     as_of: str
+    sources: dict[str, Citation]
 
 
 @dataclass(frozen=True)
@@ -183,8 +205,68 @@ class _Row:
             raise self.fail(field, f"expected a list of names, got {value!r}")
         return tuple(str(v) for v in value)
 
+    def figure_value(self, figure: str) -> Any:
+        """The YAML value of a cited figure ("tflops.bf16" -> the row's tflops bf16 entry)."""
+        head, _, path = figure.partition(".")
+        value = self.data.get(head)
+        return value.get(path) if path and isinstance(value, dict) else value
 
-def _gpu_spec(row: _Row) -> DeviceSpec:
+    def citations(self, figures: list[str], documents: dict[str, Document]) -> dict[str, Citation]:
+        """The row's `sources`: one citation per figure in `figures`, none missing, none extra, each matching
+        the row's value where it quotes a number."""
+        value = self.data["sources"]
+        if not isinstance(value, dict):
+            raise self.fail("sources", f"expected a mapping of figure -> citation, got {value!r}")
+        extra = sorted(set(value) - set(figures), key=str)
+        if extra:
+            raise self.fail(f"sources.{extra[0]}", f"cites a figure the row does not have (figures: {', '.join(figures)})")
+        out = {}
+        for figure in figures:
+            if figure not in value:
+                raise self.fail(f"sources.{figure}", "missing citation: every figure names its document and the "
+                                                     "figure as printed there (or says it is derived, unconfirmed, "
+                                                     "an estimate or measured)")
+            try:
+                cite = parse_citation(figure, value[figure], documents)
+            except CitationError as e:
+                raise self.fail(f"sources.{figure}", str(e)) from None
+            got = self.figure_value(figure)
+            if figure == "compute_capability" and got is not None:
+                got = float(got)  # "8.9" -> 8.9, as the CUDA table prints it
+            if isinstance(got, dict):  # prices: two scenarios, cited as a whole
+                if cite.number is not None:
+                    raise self.fail(f"sources.{figure}", "cites one number for a mapping of values")
+            elif not cite.matches(got):
+                raise self.fail(f"sources.{figure}", f"the row says {got!r} but the citation gives "
+                                                     f"{_expected(cite)} ({cite.printed!r})")
+            out[figure] = cite
+        return out
+
+    def accumulate(self, citations: dict[str, Citation]) -> str:
+        """The row's `accumulate` key, checked against the conversions of its bf16/fp16/fp8 citations."""
+        value = self.data["accumulate"]
+        if value not in ACCUMULATE:
+            raise self.fail("accumulate", f"expected one of {', '.join(ACCUMULATE)}, got {value!r}")
+        for path in ("bf16", "fp16", "fp8"):
+            cite = citations.get(f"tflops.{path}")
+            if cite is None or cite.number is None:
+                continue
+            halved = HALF_RATE in cite.convert
+            if halved != (value == "fp32-half-rate"):
+                raise self.fail(f"sources.tflops.{path}",
+                                f"accumulate is {value!r} ({ACCUMULATE[value]}), so the citation "
+                                f"{'must' if value == 'fp32-half-rate' else 'must not'} convert {HALF_RATE!r}")
+        return value
+
+
+def _expected(cite: Citation) -> str:
+    if cite.number is None:
+        return "no number"
+    steps = "".join(f" x {c!r}" for c in cite.convert)
+    return f"{cite.number:g}{steps} = {cite.expected():g}" if steps else f"{cite.number:g}"
+
+
+def _gpu_spec(row: _Row, documents: dict[str, Document]) -> DeviceSpec:
     row.check_fields(_GPU_FIELDS)
     vendor = row.text("vendor")
     if vendor not in VENDORS[:2]:
@@ -202,24 +284,39 @@ def _gpu_spec(row: _Row) -> DeviceSpec:
     for name in ("memory_bytes", "l2_bytes"):
         si[name] = round(si[name])
     prices = row.numbers("prices", PRICE_SCENARIOS, 1.0)
+    capability = row.capability("compute_capability", vendor)
+    figures = [*_GPU_FIGURES[:2], *(f"tflops.{p}" for p in FLOP_PATHS if p in flops), *_GPU_FIGURES[2:]]
+    sources = row.citations(figures, documents)
     return DeviceSpec(id=row.text("id"), name=row.text("name"), vendor=vendor, arch=row.text("arch"),
                       flops=flops, sm_count=sm, prices=prices, aliases=row.names("aliases"),
-                      source=row.text("source"), as_of=row.day("as_of"),
-                      compute_capability=row.capability("compute_capability", vendor), **si)
+                      source=row.text("source"), as_of=row.day("as_of"), compute_capability=capability,
+                      sources=sources, accumulate=row.accumulate(sources), **si)
 
 
-def _host_row(row: _Row) -> _HostRow:
+def _host_row(row: _Row, documents: dict[str, Document]) -> _HostRow:
     row.check_fields(_HOST_FIELDS)
     if row.text("vendor") != "host":
         raise row.fail("vendor", "the cpu row's vendor must be 'host'")
     return _HostRow(vendor="host", prices=row.numbers("prices", PRICE_SCENARIOS, 1.0),
-                    aliases=row.names("aliases"), source=row.text("source"), as_of=row.day("as_of"))
+                    aliases=row.names("aliases"), source=row.text("source"), as_of=row.day("as_of"),
+                    sources=row.citations(list(HOST_FIGURES), documents))
+
+
+def _documents(path: Path, value: Any) -> dict[str, Document]:
+    if not isinstance(value, dict) or not value:
+        raise DeviceCatalogError(f"{path}: 'documents' must map document keys to title / url / copies")
+    try:
+        return {str(key): parse_document(str(key), data) for key, data in value.items()}
+    except CitationError as e:
+        raise DeviceCatalogError(f"{path}: documents: {e}") from None
 
 
 def _read_catalog(path: Path) -> _Catalog:
     doc = read_yaml(path, "devices file", DeviceCatalogError)
-    if not isinstance(doc, dict) or set(doc) != {"devices"} or not isinstance(doc["devices"], list):
-        raise DeviceCatalogError(f"{path}: expected a mapping with one key, 'devices', holding a list of rows")
+    if not isinstance(doc, dict) or set(doc) != {"documents", "devices"} or not isinstance(doc["devices"], list):
+        raise DeviceCatalogError(f"{path}: expected a mapping with two keys, 'documents' (the cited documents) "
+                                 "and 'devices' (a list of rows)")
+    documents = _documents(path, doc["documents"])
     specs: dict[str, DeviceSpec] = {}
     host: _HostRow | None = None
     index: dict[str, str] = {}
@@ -232,10 +329,10 @@ def _read_catalog(path: Path) -> _Catalog:
             raise row.fail("id", "missing")
         rid = row.text("id")
         if rid == HOST_ID:
-            host = _host_row(row)
+            host = _host_row(row, documents)
             aliases = host.aliases
         else:
-            spec = _gpu_spec(row)
+            spec = _gpu_spec(row, documents)
             specs[rid] = spec
             aliases = spec.aliases
         for name, field in [(rid, "id"), *((a, "aliases") for a in aliases)]:
@@ -262,7 +359,8 @@ def load_devices(path: Path | None = None) -> dict[str, DeviceSpec]:
     """The datasheet devices (every row but `cpu`, which is measured: see `host_spec`), by canonical id.
 
     Every row is checked, the `cpu` row included: missing or unknown fields, types, positive numbers,
-    known compute paths and price scenarios, and no id or alias used twice.
+    known compute paths and price scenarios, no id or alias used twice, and a citation for every figure
+    (`sources`) whose quoted number, after its conversions, equals the row's value.
 
     Args:
         path: a devices YAML file; default the packaged `devices.yaml`.
@@ -271,6 +369,25 @@ def load_devices(path: Path | None = None) -> dict[str, DeviceSpec]:
         DeviceCatalogError: the file breaks the schema (the message names the file, row and field).
     """
     return dict(_catalog(path).specs)
+
+
+def figure_values(spec: DeviceSpec) -> dict[str, float | None]:
+    """A GPU spec's cited figures in devices.yaml's units (TB/s, TFLOP/s, MHz, MiB, ...), read back from its SI
+    fields: the keys of `spec.sources`. `prices` (two scenarios) and absent links are None."""
+    cc = spec.compute_capability
+    return {
+        "memory_gb": spec.memory_bytes / 1e9,
+        "bandwidth_tb_s": spec.memory_bandwidth / 1e12,
+        **{f"tflops.{path}": spec.flops[path] / 1e12 for path in FLOP_PATHS if path in spec.flops},
+        "sm_count": float(spec.sm_count),
+        "compute_capability": None if cc is None else float(f"{cc[0]}.{cc[1]}"),
+        "boost_clock_mhz": spec.boost_clock_hz / 1e6,
+        "l2_mib": spec.l2_bytes / 2**20,
+        "launch_latency_us": spec.launch_latency_s / 1e-6,
+        "nvlink_gb_s": None if spec.nvlink_bandwidth is None else spec.nvlink_bandwidth / 1e9,
+        "pcie_gb_s": spec.pcie_bandwidth / 1e9,
+        "prices": None,
+    }
 
 
 def datasheet_spec(device_id: str) -> DeviceSpec:

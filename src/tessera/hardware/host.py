@@ -208,4 +208,4 @@ def host_spec(threads: int | None = None) -> DeviceSpec:
                       launch_latency_s=float(data["launch_latency_s"]), nvlink_bandwidth=None,
                       pcie_bandwidth=float(data["memory_bandwidth"]) / 2, prices=dict(row.prices),
                       aliases=row.aliases, source=f"{row.source}; measured {data['measured_on']}: {data['notes']}",
-                      as_of=data["measured_on"], measured=True, threads=threads)
+                      as_of=data["measured_on"], measured=True, threads=threads, sources=dict(row.sources))
