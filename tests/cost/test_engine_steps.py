@@ -17,12 +17,20 @@ def times(**kw) -> EngineStepTimes:
     return EngineStepTimes(**base)
 
 
-def test_prefill_is_linear_between_points_and_extends_the_outer_segments():
-    t = times()
-    assert t.prefill_s(64) == pytest.approx(0.05)
-    assert t.prefill_s(160) == pytest.approx(0.05 + 0.12 * 96 / 192)
-    assert t.prefill_s(512) == pytest.approx(0.17 + 0.12 * 256 / 192)  # the last segment's slope
-    assert t.prefill_s(1) == pytest.approx(max(0.02 - 0.03 * 15 / 48, 0.002))
+def test_the_prefill_fit_recovers_the_gemm_and_attention_parts():
+    a, b, c = 0.004, 2e-4, 5e-8  # fixed, per token, per attention pair
+    lone = tuple((n, a + b * n + c * n * n) for n in (16, 64, 256, 1024))
+    batched = tuple((k, n, a + b * k * n + c * k * n * n) for k, n in ((32, 64), (8, 256)))
+    t = times(prefill=lone, batched=batched)
+    assert t.prefill_coefficients == pytest.approx((a, b, c), rel=1e-6)
+    assert t.prefill_s(512) == pytest.approx(a + b * 512 + c * 512 * 512)
+    assert t.prefill_s(512, 8 * 64 * 64) == pytest.approx(a + b * 512 + c * 8 * 64 * 64)  # 8 prompts of 64
+
+
+def test_the_fit_never_goes_negative():
+    t = times(prefill=((16, 0.05), (64, 0.05), (256, 0.04)))  # noise that a free fit would answer with b < 0
+    assert min(t.prefill_coefficients) >= 0
+    assert t.prefill_s(1024) > 0
 
 
 def test_decode_is_linear_in_context_then_rows():
@@ -37,13 +45,15 @@ def test_decode_is_linear_in_context_then_rows():
 
 def test_a_mixed_step_is_its_decode_plus_what_the_prompt_tokens_add():
     t = times()
+    _, b, c = t.prefill_coefficients
     assert t.step_s(0, 8, 64) == pytest.approx(t.decode_s(8, 64))
     assert t.step_s(100, 0, 0) == pytest.approx(t.prefill_s(100))
-    assert t.step_s(56, 8, 64) == pytest.approx(t.decode_s(8, 64) + t.prefill_s(64) - t.prefill_s(8))
+    assert t.step_s(56, 8, 64, prompt_squares=56 * 56 + 2 * 56 * 200) == pytest.approx(
+        t.decode_s(8, 64) + b * 56 + c * (56 * 56 + 2 * 56 * 200))
 
 
 def test_round_trip_and_errors(tmp_path):
-    t = times(kv_blocks=1456, block_size=32)
+    t = times(kv_blocks=1456, block_size=32, batched=((32, 64, 0.9),))
     path = tmp_path / "steps.json"
     t.save(path)
     assert EngineStepTimes.load(path) == t

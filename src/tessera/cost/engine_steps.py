@@ -2,12 +2,13 @@
 its rows and their context, measured on a running engine (`tessera profile-engine`) or predicted by the
 cost model for a GPU the user does not have. The simulator's vLLM scheduler times every step from it.
 
-A vLLM step mixes prompt chunks and decodes under one token budget. Its time here is the decode part's
-time plus what the prompt tokens add on top of the decode rows' tokens (the prefill curve's slope between
-``rows`` and ``rows + prompt tokens``): the weights are read once per step, so a few prompt tokens riding
-along with a memory-bound decode cost little, and a long chunk costs what its tokens cost. The prefill
-curve is measured on lone prompts (its attention grows with the prompt; chunks of several prompts are
-charged as one prompt of their total, slightly high)."""
+A prefill step's time is fitted as ``a + b * tokens + c * squares``: a fixed part, a part per token (the
+GEMMs) and a part per attention pair (``squares``: a prompt of n tokens adds n^2, a chunk of n tokens after
+a context of m adds n^2 + 2nm), least squares with non-negative coefficients over every prefill measured
+(lone prompts of several lengths, and several short prompts in one step, which tell the GEMMs' share from
+attention's). A vLLM step mixes prompt chunks and decodes under one token budget: its time here is the
+decode part's time (from the decode table) plus what its prompt tokens and their attention add
+(``b * tokens + c * squares``)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class EngineStepTimes:
     device: str  # where it was measured ("cpu, 2 threads", "A100"), or "predicted: A100"
     prefill: tuple[tuple[int, float], ...]
     decode: tuple[tuple[int, int, float], ...]
+    batched: tuple[tuple[int, int, float], ...] = ()  # (prompts, tokens each, seconds) of one step
     overhead_s: float = 0.0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
@@ -60,13 +62,19 @@ class EngineStepTimes:
                                            "at least 1 and seconds positive")
         object.__setattr__(self, "prefill", tuple(sorted((int(n), float(s)) for n, s in self.prefill)))
         object.__setattr__(self, "decode", tuple(sorted((int(r), int(c), float(s)) for r, c, s in self.decode)))
+        object.__setattr__(self, "batched", tuple(sorted((int(k), int(n), float(s)) for k, n, s in self.batched)))
+        object.__setattr__(self, "_coefficients", _fit_prefill(self.prefill, self.batched))
 
-    def prefill_s(self, tokens: float) -> float:
-        """A step of ``tokens`` prompt tokens alone: linear between measured lengths, extended along the
-        last segment's slope beyond them (and down to zero tokens along the first)."""
-        xs = [n for n, _ in self.prefill]
-        ys = [s for _, s in self.prefill]
-        return _linear(xs, ys, tokens)
+    @property
+    def prefill_coefficients(self) -> tuple[float, float, float]:
+        """(fixed seconds, seconds per token, seconds per attention pair) of a prefill step."""
+        return self._coefficients  # type: ignore[attr-defined]
+
+    def prefill_s(self, tokens: float, squares: float | None = None) -> float:
+        """A step of ``tokens`` prompt tokens with ``squares`` attention pairs (default: one prompt of
+        ``tokens``)."""
+        a, b, c = self.prefill_coefficients
+        return a + b * tokens + c * (tokens * tokens if squares is None else squares)
 
     def decode_s(self, rows: int, ctx: float) -> float:
         """A decode step of ``rows`` rows at mean context ``ctx``: linear in context at each measured row
@@ -76,26 +84,28 @@ class EngineStepTimes:
             by_rows.setdefault(r, []).append((c, s))
         row_points = sorted(by_rows)
         at = [(r, _linear([c for c, _ in by_rows[r]], [s for _, s in by_rows[r]], ctx)) for r in row_points]
-        if len(at) == 1:  # one row count measured: scale by the prefill curve's tokens
+        if len(at) == 1:  # one row count measured: scale by the prefill's cost per token
             r0, s0 = at[0]
-            return s0 + self.prefill_s(rows) - self.prefill_s(r0)
+            return s0 + self.prefill_coefficients[1] * (rows - r0)
         return _linear([r for r, _ in at], [s for _, s in at], rows)
 
-    def step_s(self, prompt_tokens: int, decode_rows: int, decode_ctx: float) -> float:
-        """One engine step running ``prompt_tokens`` prompt tokens (chunks of any prompts) and
-        ``decode_rows`` decodes at mean context ``decode_ctx``."""
+    def step_s(self, prompt_tokens: int, decode_rows: int, decode_ctx: float, prompt_squares: float | None = None) \
+            -> float:
+        """One engine step running ``prompt_tokens`` prompt tokens (chunks of any prompts, with
+        ``prompt_squares`` attention pairs; default one prompt) and ``decode_rows`` decodes at mean context
+        ``decode_ctx``."""
+        squares = prompt_tokens * prompt_tokens if prompt_squares is None else prompt_squares
         if decode_rows <= 0:
-            return self.prefill_s(max(prompt_tokens, 1))
-        t = self.decode_s(decode_rows, decode_ctx)
-        if prompt_tokens > 0:
-            t += max(0.0, self.prefill_s(decode_rows + prompt_tokens) - self.prefill_s(decode_rows))
-        return t
+            return self.prefill_s(max(prompt_tokens, 1), squares)
+        _, b, c = self.prefill_coefficients
+        return self.decode_s(decode_rows, decode_ctx) + b * prompt_tokens + c * squares
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["version"] = STEP_TIMES_VERSION
         d["prefill"] = [list(p) for p in self.prefill]
         d["decode"] = [list(p) for p in self.decode]
+        d["batched"] = [list(p) for p in self.batched]
         return d
 
     def save(self, path: str | Path) -> None:
@@ -117,9 +127,10 @@ class EngineStepTimes:
         try:
             prefill = tuple((int(n), float(s)) for n, s in d["prefill"])
             decode = tuple((int(r), int(c), float(s)) for r, c, s in d["decode"])
+            batched = tuple((int(k), int(n), float(s)) for k, n, s in d.get("batched") or ())
             known = {k: d[k] for k in ("overhead_s", "max_num_batched_tokens", "max_num_seqs", "block_size",
                                        "kv_blocks", "source", "extra") if k in d}
-            return cls(str(d["engine"]), str(d["model"]), str(d["device"]), prefill, decode, **known)
+            return cls(str(d["engine"]), str(d["model"]), str(d["device"]), prefill, decode, batched, **known)
         except (TypeError, ValueError) as e:
             raise EngineStepTimesError(f"{source}: malformed step times ({e}); prefill rows are [tokens, seconds] "
                                        "and decode rows [rows, context, seconds]") from None
@@ -129,6 +140,32 @@ class EngineStepTimes:
         """Read a file written by :meth:`save` (clear errors for a missing, malformed or old file)."""
         return cls.from_dict(read_json(Path(path), "step-times file", EngineStepTimesError,
                                        "measure one with `tessera profile-engine -o FILE`"), str(path))
+
+
+def _fit_prefill(lone: tuple[tuple[int, float], ...], batched: tuple[tuple[int, int, float], ...]) \
+        -> tuple[float, float, float]:
+    """(a, b, c) >= 0 of ``a + b * tokens + c * squares`` closest to every measured prefill step, each
+    weighted by 1 / its time (relative error counts, so short steps are fitted as well as long ones)."""
+    import itertools
+
+    import numpy as np
+
+    rows = [(1.0, n, n * n, s) for n, s in lone] + [(1.0, k * n, k * n * n, s) for k, n, s in batched]
+    a = np.array([[x / r[3] for x in r[:3]] for r in rows])
+    scale = np.linalg.norm(a, axis=0)
+    a = a / scale
+    best, coef = np.inf, np.zeros(3)
+    for used in itertools.chain.from_iterable(itertools.combinations(range(3), k) for k in (1, 2, 3)):
+        cols = list(used)  # three unknowns: every set of free coefficients, the rest held at zero
+        x = np.linalg.lstsq(a[:, cols], np.ones(len(rows)), rcond=None)[0]
+        if (x < 0).any():
+            continue
+        residual = float(np.sum((a[:, cols] @ x - 1.0) ** 2))
+        if residual < best:
+            best, coef = residual, np.zeros(3)
+            coef[cols] = x
+    coef = coef / scale
+    return float(coef[0]), float(coef[1]), float(coef[2])
 
 
 def _linear(xs: list[float], ys: list[float], x: float) -> float:

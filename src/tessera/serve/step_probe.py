@@ -6,6 +6,9 @@ request generates exactly its ``max_tokens`` (``ignore_eos``, a vLLM sampling op
 - lone prompts of several lengths: the time to first token is the request's overhead (the API server's
   parsing and first response) plus one prefill step; a one-token prompt's step is a one-row decode step,
   which gives the overhead (its time to first token less the one-row decode step measured after it);
+- several prompts of one length sent together, as many as fit one step's token budget: their common time
+  to first token, less the overhead, is one prefill step of many short prompts (the GEMMs' share of a
+  prefill apart from attention's, which grows with each prompt's square);
 - decodes: ``rows`` requests of ``ctx`` prompt tokens sent together; once the last of them has its first
   token and until the first ends, every step is a decode of exactly those rows. A request's tokens in that
   window (counted by the engine's running usage figures, so chunks that carry several tokens count right)
@@ -30,6 +33,7 @@ from tessera.errors import TesseraError
 DEFAULT_PROMPTS = (1, 16, 64, 128, 256, 512, 1024)
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CONTEXTS = (64, 256, 1024)
+BATCHED_PROMPTS = (16, 64, 256)  # lengths of the prompts sent together to fill one prefill step
 MAX_PROBE_TOKENS = 40_000  # prompt tokens one decode probe may send (rows x context): keeps a profile in minutes
 _FIRST_ID, _LAST_ID = 1000, 9000  # ordinary vocabulary ids in every tokenizer Tessera ships (no special tokens)
 
@@ -143,6 +147,14 @@ async def measure_async(url: str, model: str, *, prompts: tuple[int, ...] = DEFA
             ttfts = [((s := await _stream(c, url, model, make.make(n), 2)).arrivals[0][0] - s.sent_s)
                      for _ in range(repeats)]
             lone[n] = statistics.median(ttfts)
+        batched: list[tuple[int, int, float]] = []
+        for n in BATCHED_PROMPTS:
+            k = min(max_num_seqs, max_num_batched_tokens // n)
+            if k < 2 or n > longest:
+                continue
+            say(f"prefill of {k} prompts of {n} tokens in one step")
+            streams = await asyncio.gather(*(_stream(c, url, model, make.make(n), 2) for _ in range(k)))
+            batched.append((k, n, statistics.median(s.arrivals[0][0] - s.sent_s for s in streams)))
         decode: list[tuple[int, int, float]] = []
         for ctx in sorted(set(contexts)):
             for r in sorted(set(rows)):

@@ -152,9 +152,11 @@ class EngineSim:
 
     def step_time(self, step: list[tuple[SimRequest, int]]) -> float:
         """Seconds of one step: its prompt tokens and its decodes at their mean context."""
-        prompt = sum(n for r, n in step if r.prefilling)
+        chunks = [(n, r.computed) for r, n in step if r.prefilling]  # a chunk attends to what is cached before it
+        prompt = sum(n for n, _ in chunks)
+        squares = sum(n * n + 2 * n * before for n, before in chunks)
         decodes = [r.prompt + r.generated for r, _ in step if not r.prefilling]
-        return self.times.step_s(prompt, len(decodes), float(np.mean(decodes)) if decodes else 0.0)
+        return self.times.step_s(prompt, len(decodes), float(np.mean(decodes)) if decodes else 0.0, squares)
 
     def finish(self, now: float) -> list[SimRequest]:
         """End the running step at ``now``; the requests done on this engine (finished or moving on)."""
