@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import sys
 import tempfile
 import time
@@ -72,6 +73,7 @@ def main() -> None:
     chosen = workloads(lengths_file(folder))
     if args.only:
         chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run still stops its engine
     options = VLLMOptions(default_python(ROOT), model_folder(MODEL), MODEL, 2048, prefix_caching=False)
     launch = cpu_engine(options, free_ports(1)[0], MAX_NUM_SEQS)
     supervisor = Supervisor([launch], folder, say=lambda s: print(f"# {s}", file=sys.stderr), restart=False)

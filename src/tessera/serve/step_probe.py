@@ -174,8 +174,9 @@ async def measure_async(url: str, model: str, *, prompts: tuple[int, ...] = DEFA
     smallest = min(lone)
     overhead = max(0.0, lone[smallest] - one_row[2]) if one_row is not None and smallest <= 16 else 0.0
     prefill = tuple((n, max(t - overhead, 1e-6)) for n, t in sorted(lone.items()))
+    together = tuple((k, n, max(t - overhead, 1e-6)) for k, n, t in batched)
     blocks = config.get("num_gpu_blocks", "None")
-    return EngineStepTimes(engine, model, device, prefill, tuple(decode), overhead_s=overhead,
+    return EngineStepTimes(engine, model, device, prefill, tuple(decode), together, overhead_s=overhead,
                            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                            block_size=int(config.get("block_size", 16)),
                            kv_blocks=int(blocks) if blocks.isdigit() else None,
