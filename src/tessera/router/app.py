@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from tessera.router.forward import EngineLost, Upstream, forward
+from tessera.router.forward import EngineLost, Upstream, client_timeout, forward
 from tessera.router.table import Endpoint, NoRoute, RouteTable
 from tessera.serve.api import STREAM_HEADERS, APIKeyCheck, BodyLimit, add_error_handlers, error_response
 from tessera.serve.config import MAX_BODY_BYTES
@@ -32,6 +32,7 @@ from tessera.serve.protocol import APIError, ChatRequest, CompletionRequest
 
 RETRY_AFTER_S = 1
 HEALTH_POLL_S = 1.0
+KEEP_ALIVE_S = 4.0  # below the engines' own 5 s keep-alive, so the router never reuses a connection they close
 
 
 @dataclass
@@ -67,14 +68,15 @@ class Router:
         self.engine_status = engine_status  # a supervisor's restarts and exits per engine, if it has one
         self.draining = False
         self.ready = True  # False while a launcher is still starting the engines (503 until then)
-        self.client: httpx.AsyncClient | None = None
+        self.client: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task | None = None
 
     async def open(self) -> None:
         """Create the engine client and start polling the engines' health."""
-        limits = httpx.Limits(max_connections=self.options.max_in_flight * 2 + 16,
-                              max_keepalive_connections=self.options.max_in_flight + 16)
-        self.client = httpx.AsyncClient(limits=limits, timeout=self.options.timeout_s)
+        connector = aiohttp.TCPConnector(limit=self.options.max_in_flight * 2 + 16, limit_per_host=0,
+                                         keepalive_timeout=KEEP_ALIVE_S)
+        self.client = aiohttp.ClientSession(connector=connector, timeout=client_timeout(self.options.timeout_s),
+                                            auto_decompress=False)
         await self.poll_health()
         self._poller = asyncio.create_task(self._poll_forever())
 
@@ -82,16 +84,16 @@ class Router:
         if self._poller is not None:
             self._poller.cancel()
         if self.client is not None:
-            await self.client.aclose()
+            await self.client.close()
 
     async def poll_health(self) -> None:
         """Ask every engine's ``/health`` once and update its state (a supervisor's starting / restarting
         states stand while it is not healthy)."""
         async def one(e: Endpoint) -> None:
             try:
-                r = await self.client.get(f"{e.url}/health", timeout=HEALTH_POLL_S * 2)
-                ok = r.status_code == 200
-            except httpx.HTTPError:
+                async with self.client.get(f"{e.url}/health", timeout=client_timeout(HEALTH_POLL_S * 2)) as r:
+                    ok = r.status == 200
+            except (TimeoutError, aiohttp.ClientError):
                 ok = False
             status = self.engine_status().get(e.name, {}) if self.engine_status else {}
             if ok:

@@ -16,15 +16,29 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 from tessera.router.table import Endpoint, Hops
 from tessera.serve.protocol import APIError
 
 NIXL_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                        "remote_block_ids": None, "remote_host": None, "remote_port": None}
-CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-                  httpx.WriteError, httpx.PoolTimeout)
+# aiohttp, not httpx, talks to the engines: it relays a streamed token with a fraction of httpx's CPU (its
+# parser is compiled, and httpcore's pool scans every connection per request), CPU the engines on the same
+# cores need. A connection that cannot be opened or that breaks marks the engine down; a read that takes
+# longer than the timeout (an engine alive but slow) does not.
+CONNECT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+SLOW_ERRORS = (TimeoutError,)
+
+
+def client_timeout(seconds: float) -> aiohttp.ClientTimeout:
+    """Each connect and each read within ``seconds`` (no bound on a whole stream, as it may be long)."""
+    return aiohttp.ClientTimeout(total=None, connect=seconds, sock_connect=seconds, sock_read=seconds)
+
+
+def _is_slow(e: BaseException) -> bool:
+    """A timeout while reading (the engine is alive), not one while connecting (it is not)."""
+    return isinstance(e, TimeoutError) and not isinstance(e, aiohttp.ConnectionTimeoutError)
 
 
 class EngineLost(Exception):
@@ -57,27 +71,29 @@ def prefill_body(body: dict[str, Any], connector: str | None) -> dict[str, Any]:
     return out
 
 
-async def prefill(client: httpx.AsyncClient, endpoint: Endpoint, path: str, body: dict[str, Any],
+async def prefill(client: aiohttp.ClientSession, endpoint: Endpoint, path: str, body: dict[str, Any],
                   timeout: float) -> tuple[dict[str, Any] | None, str | None]:
     """Run the prefill call; (the ``kv_transfer_params`` to pass on, None) or (None, why it failed)."""
     try:
-        r = await client.post(endpoint.url + path, json=prefill_body(body, endpoint.connector), timeout=timeout)
-    except CONNECT_ERRORS as e:  # taken as down at once; the health poll brings it back once it answers
-        endpoint.failures += 1
+        async with client.post(endpoint.url + path, json=prefill_body(body, endpoint.connector),
+                               timeout=client_timeout(timeout)) as r:
+            status, data = r.status, await r.read()
+    except (*CONNECT_ERRORS, *SLOW_ERRORS) as e:
+        if _is_slow(e):  # a slow prefill is skipped too, not a 500
+            return None, f"prefill engine {endpoint.name} did not answer within {timeout:g} s ({type(e).__name__})"
+        endpoint.failures += 1  # taken as down at once; the health poll brings it back once it answers
         endpoint.state, endpoint.detail = "down", "connection lost"
         return None, f"prefill engine {endpoint.name} unreachable ({type(e).__name__})"
-    except httpx.TimeoutException as e:  # a slow prefill is skipped too, not a 500
-        return None, f"prefill engine {endpoint.name} did not answer within {timeout:g} s ({type(e).__name__})"
-    if r.status_code != 200:
-        return None, f"prefill engine {endpoint.name} answered {r.status_code}"
+    if status != 200:
+        return None, f"prefill engine {endpoint.name} answered {status}"
     try:
-        params = r.json().get("kv_transfer_params")
-    except ValueError:
+        params = json.loads(data).get("kv_transfer_params")
+    except (ValueError, AttributeError):
         return None, f"prefill engine {endpoint.name} answered a body that is not JSON"
     return params or {}, None
 
 
-async def forward(client: httpx.AsyncClient, hops: Hops, path: str, body: dict[str, Any], timeout: float,
+async def forward(client: aiohttp.ClientSession, hops: Hops, path: str, body: dict[str, Any], timeout: float,
                   prefilled: Callable[[], None] = lambda: None) -> Upstream:
     """Send ``body`` along ``hops`` (to ``path``, e.g. ``/v1/completions``); the decode engine's answer.
     ``prefilled`` is called once the prefill hop is over (whether it worked or not).
@@ -98,38 +114,38 @@ async def forward(client: httpx.AsyncClient, hops: Hops, path: str, body: dict[s
             body["kv_transfer_params"] = params
     target = hops.decode
     stream = bool(body.get("stream"))
-    request = client.build_request("POST", target.url + path, json=body, timeout=timeout)
     try:
-        response = await client.send(request, stream=stream)
-    except CONNECT_ERRORS as e:
+        response = await client.post(target.url + path, json=body, timeout=client_timeout(timeout))
+        if stream and response.status == 200:
+            upstream = Upstream(200, prefill_fallback=skipped)
+            upstream.stream = _relay(response, target, upstream)
+            return upstream
+        try:
+            data = await response.read()
+        finally:
+            response.release()
+    except (*CONNECT_ERRORS, *SLOW_ERRORS) as e:
+        if _is_slow(e):  # alive but too slow: an OpenAI error, not a 500
+            err = APIError(504, f"engine {target.name} did not answer within {timeout:g} s ({type(e).__name__})",
+                           "server_error", code="engine_timeout")
+            return Upstream(504, err.body(), prefill_fallback=skipped)
         target.failures += 1
         target.state, target.detail = "down", "connection lost"
         raise EngineLost(target, e) from None
-    except httpx.TimeoutException as e:  # alive but too slow: an OpenAI error, not a 500
-        err = APIError(504, f"engine {target.name} did not answer within {timeout:g} s ({type(e).__name__})",
-                       "server_error", code="engine_timeout")
-        return Upstream(504, err.body(), prefill_fallback=skipped)
-    if not stream or response.status_code != 200:
-        try:
-            data = (await response.aread()) if stream else response.content
-            payload = json.loads(data) if data else None
-        except (ValueError, *CONNECT_ERRORS):
-            payload = APIError(502, f"engine {target.name} answered {response.status_code} with a body that is "
-                                    "not JSON", "server_error").body()
-        finally:
-            await response.aclose()
-        return Upstream(response.status_code, payload, prefill_fallback=skipped)
-    upstream = Upstream(200, prefill_fallback=skipped)
-    upstream.stream = _relay(response, target, upstream)
-    return upstream
+    try:
+        payload = json.loads(data) if data else None
+    except ValueError:
+        payload = APIError(502, f"engine {target.name} answered {response.status} with a body that is not JSON",
+                           "server_error").body()
+    return Upstream(response.status, payload, prefill_fallback=skipped)
 
 
-async def _relay(response: httpx.Response, endpoint: Endpoint, upstream: Upstream) -> AsyncIterator[bytes]:
+async def _relay(response: aiohttp.ClientResponse, endpoint: Endpoint, upstream: Upstream) -> AsyncIterator[bytes]:
     """The engine's event stream as it arrives; if the engine is lost mid-stream, an error event and
     ``[DONE]``."""
     pending = b""  # whole events are passed on; a lost engine's half event is dropped
     try:
-        async for chunk in response.aiter_raw():
+        async for chunk in response.content.iter_any():
             pending += chunk
             end = pending.rfind(b"\n\n")
             if end >= 0:
@@ -137,7 +153,7 @@ async def _relay(response: httpx.Response, endpoint: Endpoint, upstream: Upstrea
                 pending = pending[end + 2:]
         if pending:
             yield pending
-    except (*CONNECT_ERRORS, httpx.ReadTimeout) as e:
+    except (*CONNECT_ERRORS, *SLOW_ERRORS) as e:
         endpoint.failures += 1
         endpoint.state, endpoint.detail = "down", "connection lost while streaming"
         upstream.lost = True
@@ -145,7 +161,7 @@ async def _relay(response: httpx.Response, endpoint: Endpoint, upstream: Upstrea
                             "so far is incomplete", "server_error", code="engine_lost")
         yield b"data: " + json.dumps(err.body()).encode() + b"\n\ndata: [DONE]\n\n"
     finally:
-        await response.aclose()
+        response.release()
 
 
 __all__ = ["EngineLost", "Upstream", "forward", "prefill", "prefill_body"]
