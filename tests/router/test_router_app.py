@@ -429,7 +429,15 @@ def test_bad_requests_are_refused_before_any_engine_sees_them(deploy):
     r = d.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                         "stream": "yes"})
     assert r.status_code == 400
+    body = json.dumps(completion()).encode()
+    for headers, said in (({}, "no Content-Type header"), ({"Content-Type": "text/plain"}, "'text/plain'"),
+                          ({"Content-Type": "application/x-www-form-urlencoded"}, "x-www-form-urlencoded")):
+        r = d.http.post("/v1/completions", content=body, headers=headers)
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+        assert said in r.json()["error"]["message"] and "send 'Content-Type: application/json'" in r.text
     assert all(stub.bodies == [] for stub in d.stubs.values())
+    r = d.http.post("/v1/completions", content=body, headers={"Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 200
 
     models = d.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]

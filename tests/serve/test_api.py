@@ -222,6 +222,16 @@ def test_bad_requests_get_openai_errors(served, body, headers, status, code, par
     assert served.engine.error is None and _idle(served.engine, 5)
 
 
+def test_a_body_not_declared_json_gets_415_naming_the_content_type(served):
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode()
+    for content_type, said in ((None, "no Content-Type header"), ("text/plain", "Content-Type 'text/plain'")):
+        headers = {**_auth(), **({"Content-Type": content_type} if content_type else {})}
+        r = httpx.post(served.url + "/v1/completions", content=body, headers=headers, timeout=60)
+        assert r.status_code == 415, r.text
+        assert r.json()["error"]["code"] == "unsupported_media_type" and said in r.json()["error"]["message"]
+    assert served.engine.error is None and _idle(served.engine, 5)
+
+
 def test_the_server_keeps_serving_after_bad_requests(served):
     assert _post(served.url, b"{nope").status_code == 400
     assert _post(served.url, {"model": MODEL, "messages": []}, path="/v1/chat/completions").status_code == 400

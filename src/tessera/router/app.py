@@ -25,7 +25,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from tessera.router.forward import EngineLost, Upstream, client_timeout, forward
 from tessera.router.table import Endpoint, NoRoute, RouteTable
-from tessera.serve.api import STREAM_HEADERS, APIKeyCheck, BodyLimit, add_error_handlers, error_response
+from tessera.serve.api import (
+    STREAM_HEADERS,
+    APIKeyCheck,
+    BodyLimit,
+    JSONContentType,
+    add_error_handlers,
+    error_response,
+)
 from tessera.serve.config import MAX_BODY_BYTES
 from tessera.serve.metrics import CONTENT_TYPE, label_value, metric
 from tessera.serve.protocol import APIError, ChatRequest, CompletionRequest
@@ -196,6 +203,7 @@ def create_router_app(router: Router) -> FastAPI:
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
         return response
 
+    app.add_middleware(JSONContentType)
     if opts.api_key is not None:
         app.add_middleware(APIKeyCheck, key=opts.api_key)
     app.add_middleware(BodyLimit, limit=opts.max_body_bytes)

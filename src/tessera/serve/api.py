@@ -40,6 +40,7 @@ def create_app(target: Engine | Lifecycle, model_id: str, api_key: str | None = 
     lifecycle = Lifecycle.of(target)
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
+    app.add_middleware(JSONContentType)
     if api_key is not None:
         app.add_middleware(APIKeyCheck, key=api_key)
     app.add_middleware(BodyLimit, limit=max_body_bytes)  # outermost: before the key check reads anything
@@ -178,6 +179,27 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+class JSONContentType:
+    """ASGI middleware: a POST to /v1 must say its body is JSON (``Content-Type: application/json``, any
+    charset); otherwise 415 with what it said and what to send, instead of a validation error about the
+    body's shape."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST" and scope["path"].startswith("/v1"):
+            given = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"content-type"), None)
+            media = (given or "").split(";", 1)[0].strip().lower()
+            if media != "application/json":
+                said = "no Content-Type header" if given is None else f"Content-Type {given!r}"
+                err = APIError(415, f"POST {scope['path']} takes a JSON body, but the request has {said}: send "
+                                    "'Content-Type: application/json'", code="unsupported_media_type")
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class APIKeyCheck:
     """ASGI middleware: every /v1 request needs ``Authorization: Bearer <key>`` (a pure ASGI layer, so
     streamed responses and client disconnects pass through untouched)."""
@@ -197,4 +219,5 @@ class APIKeyCheck:
         await self.app(scope, receive, send)
 
 
-__all__ = ["STREAM_HEADERS", "APIKeyCheck", "BodyLimit", "add_error_handlers", "create_app", "error_response"]
+__all__ = ["STREAM_HEADERS", "APIKeyCheck", "BodyLimit", "JSONContentType", "add_error_handlers", "create_app",
+           "error_response"]
