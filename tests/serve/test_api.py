@@ -222,6 +222,56 @@ def test_bad_requests_get_openai_errors(served, body, headers, status, code, par
     assert served.engine.error is None and _idle(served.engine, 5)
 
 
+def _stream_all(url: str, n: int, max_tokens: int, headers: dict[str, str]) -> list[tuple[int, str, dict]]:
+    """``n`` streamed completions sent at once: (status, body text, headers) of each."""
+    async def run():
+        async with httpx.AsyncClient(headers=headers, timeout=300, limits=httpx.Limits(max_connections=None)) as c:
+            async def one(i: int):
+                body = {"model": MODEL, "prompt": f"Item {i} is", "max_tokens": max_tokens, "stream": True,
+                        "temperature": 0}
+                async with c.stream("POST", f"{url}/v1/completions", json=body) as r:
+                    return r.status_code, (await r.aread()).decode(), dict(r.headers)
+
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+    return asyncio.run(run())
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_every_admitted_stream_completes(servers):
+    _, reference = servers  # one process, 8 slots
+    reference.engine.max_queued = 16
+    try:
+        results = _stream_all(reference.url, 64, 8, {})
+    finally:
+        reference.engine.max_queued = None
+    refused = [(body, headers) for status, body, headers in results if status == 429]
+    served = [body for status, body, _ in results if status == 200]
+    assert len(refused) + len(served) == 64 and refused and len(served) >= 8 + 16
+    for body, headers in refused:
+        error = json.loads(body)["error"]
+        assert headers["retry-after"] == "1" and error["code"] == "queue_full" and error["type"] == "rate_limit_error"
+        assert "--max-queue 16" in error["message"]
+    for body in served:  # every admitted stream runs to its end
+        assert body.rstrip().endswith("data: [DONE]") and '"error"' not in body
+    metrics = httpx.get(f"{reference.url}/metrics", timeout=10).text
+    assert f"tessera_refused_requests_total {len(refused)}" in metrics
+    assert _idle(reference.engine)
+
+
+def test_a_request_that_waits_past_the_queue_deadline_gets_503(servers):
+    _, reference = servers
+    reference.engine.queue_timeout_s = 0.3
+    try:
+        results = _stream_all(reference.url, 24, 24, {})  # the slots stay busy for longer than 0.3 s
+    finally:
+        reference.engine.queue_timeout_s = None
+    expired = [body for status, body, _ in results if status == 200 and "queue_timeout" in body]
+    done = [body for status, body, _ in results if status == 200 and '"error"' not in body]
+    assert expired and done and len(expired) + len(done) == 24
+    assert all("past the queue's deadline (--queue-timeout 0.3 s)" in body for body in expired)
+    assert _idle(reference.engine)
+
+
 def test_a_body_not_declared_json_gets_415_naming_the_content_type(served):
     body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode()
     for content_type, said in ((None, "no Content-Type header"), ("text/plain", "Content-Type 'text/plain'")):

@@ -52,6 +52,11 @@ def serve(
                                          "off by default)."),
     on_failure: str = typer.Option(_SERVE.on_failure, "--on-failure", help="replan | fail: after a lost worker, "
                                    "re-plan onto the survivors and go on, or exit non-zero (for a supervisor)."),
+    max_queue: int = typer.Option(_SERVE.max_queue, "--max-queue", help="Requests that may wait for a slot; beyond "
+                                  "them a new request gets 429 with Retry-After (split between request-dist "
+                                  "replicas)."),
+    queue_timeout: float = typer.Option(None, "--queue-timeout", help="Seconds a request may wait for its first "
+                                        "slot before it fails with 503 (default: no deadline)."),
     shutdown_timeout: float = typer.Option(10.0, "--shutdown-timeout", help="Seconds SIGTERM / Ctrl-C waits for "
                                            "requests in flight before ending them with an error."),
     max_body_bytes: int = typer.Option(MAX_BODY_BYTES, "--max-body-bytes", help="Largest request body accepted "
@@ -112,7 +117,8 @@ def serve(
         cfg = ServeConfig(model, cluster, slots=slots, max_context=max_context, policy=policy,
                           latency_policy=latency_policy, placement=placement, seed=seed, threads=threads,
                           beta=beta, window_s=window_ms / 1000, cooldown_s=cooldown_s, local=local,
-                          batch_invariant=batch_invariant, on_failure=on_failure)
+                          batch_invariant=batch_invariant, on_failure=on_failure, max_queue=max_queue,
+                          queue_timeout_s=queue_timeout)
         cfg.check()
         from tessera.capture.models import resolve_model
 

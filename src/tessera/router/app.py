@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from tessera.router.forward import EngineLost, Upstream, client_timeout, forward
@@ -35,7 +35,7 @@ from tessera.serve.api import (
 )
 from tessera.serve.config import MAX_BODY_BYTES
 from tessera.serve.metrics import CONTENT_TYPE, label_value, metric
-from tessera.serve.protocol import APIError, ChatRequest, CompletionRequest
+from tessera.serve.protocol import APIError, Busy, ChatRequest, CompletionRequest
 
 RETRY_AFTER_S = 1
 HEALTH_POLL_S = 1.0
@@ -129,8 +129,9 @@ class Router:
                            code="draining")
         if self.stats.in_flight >= self.options.max_in_flight:
             self.stats.rejected["full"] += 1
-            raise _Busy(f"the router already forwards {self.stats.in_flight} requests, its limit "
-                        f"(--max-in-flight {self.options.max_in_flight}); retry after {RETRY_AFTER_S} s")
+            raise Busy(f"the router already forwards {self.stats.in_flight} requests, its limit "
+                        f"(--max-in-flight {self.options.max_in_flight}); retry after {RETRY_AFTER_S} s",
+                       code="router_full", retry_after_s=RETRY_AFTER_S)
 
     async def handle(self, path: str, body: dict[str, Any]) -> Response:
         """Forward one checked request; its response (JSON, an event stream, or an error)."""
@@ -186,22 +187,11 @@ class Router:
             release(outcome)
 
 
-class _Busy(APIError):
-    def __init__(self, message: str):
-        super().__init__(429, message, "rate_limit_error", code="router_full")
-
-
 def create_router_app(router: Router) -> FastAPI:
     """The router's HTTP app."""
     opts = router.options
     app = FastAPI(title="Tessera router", docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
-
-    @app.exception_handler(_Busy)
-    async def _busy(request: Request, exc: _Busy) -> JSONResponse:
-        response = error_response(exc)
-        response.headers["Retry-After"] = str(RETRY_AFTER_S)
-        return response
 
     app.add_middleware(JSONContentType)
     if opts.api_key is not None:

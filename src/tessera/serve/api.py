@@ -26,7 +26,7 @@ from tessera.serve.config import MAX_BODY_BYTES
 from tessera.serve.engine import Engine
 from tessera.serve.lifecycle import Lifecycle
 from tessera.serve.metrics import CONTENT_TYPE, PrometheusMetrics
-from tessera.serve.protocol import APIError, ChatRequest, CompletionRequest, invalid_request
+from tessera.serve.protocol import APIError, Busy, ChatRequest, CompletionRequest, invalid_request
 from tessera.serve.serving import EventStream, OpenAIServing
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -106,8 +106,9 @@ def _response(result: dict[str, Any] | EventStream | None) -> Response:
 
 
 def error_response(err: APIError) -> JSONResponse:
-    """An error as its OpenAI error object and HTTP status."""
-    return JSONResponse(err.body(), status_code=err.status)
+    """An error as its OpenAI error object and HTTP status (a `Busy` one with its Retry-After)."""
+    headers = {"Retry-After": str(err.retry_after_s)} if isinstance(err, Busy) else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 def add_error_handlers(app: FastAPI) -> None:

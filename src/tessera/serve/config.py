@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from tessera.errors import TesseraError
-from tessera.limits import BATCH_ROWS, THREADS, TOKENS
+from tessera.limits import BATCH_ROWS, REQUESTS, THREADS, TOKENS
 from tessera.plan.config import LATENCY_BUCKET, check_policy
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt of the contexts served, little for the event loop
@@ -73,6 +73,8 @@ class ServeConfig:
     local: bool = False  # run every step in this process (the single-process reference)
     batch_invariant: bool = False  # GEMMs row by row: a request's outputs do not depend on the batch it is in
     on_failure: str = "replan"  # a lost worker: re-plan onto the survivors and go on, or fail (exit non-zero)
+    max_queue: int | None = 256  # requests waiting for a slot beyond which new ones get 429 (None: no bound)
+    queue_timeout_s: float | None = None  # a request without a slot after this long fails with 503 (None: never)
 
     def check(self) -> None:
         """Raise `ServeOptionError` (or the policy's own error) for an option that cannot work."""
@@ -102,6 +104,12 @@ class ServeConfig:
             raise ServeOptionError(f"--window-ms must be positive (got {self.window_s * 1000:g})")
         if self.cooldown_s < 0:
             raise ServeOptionError(f"--cooldown-s must be 0 or more (got {self.cooldown_s})")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ServeOptionError(f"--max-queue must be 0 or more (got {self.max_queue})")
+        if self.max_queue is not None:
+            REQUESTS.check(self.max_queue, "--max-queue")
+        if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
+            raise ServeOptionError(f"--queue-timeout must be a positive number of seconds (got {self.queue_timeout_s})")
         if self.on_failure not in ("replan", "fail"):
             raise ServeOptionError(f"--on-failure must be replan or fail (got {self.on_failure!r})")
         check_policy(self.policy)

@@ -52,9 +52,17 @@ class EngineUnavailable(TesseraError):
     """The engine takes no new requests (it is draining for shutdown, or it has failed)."""
 
 
+class EngineBusy(TesseraError):
+    """The engine's queue is full: the request is refused now, to be retried (HTTP 429)."""
+
+
 class ServerFault(str):
     """The message of a request that failed through no fault of its own (a failed step, a lost backend, a
     shutdown): the server's error, not the client's."""
+
+
+class QueueTimeout(ServerFault):
+    """The message of a request that waited longer than the queue's deadline for a slot (HTTP 503)."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,8 @@ class EngineStats:
     failed: int = 0  # requests ended by a server-side failure (failed step, lost backend, shutdown)
     failed_steps: int = 0
     recoveries: int = 0  # lost workers re-planned onto the survivors
+    refused: int = 0  # requests refused with 429: the queue was full (--max-queue)
+    expired: int = 0  # requests failed with 503: no slot within the queue's deadline (--queue-timeout)
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))  # seconds to a request's first token
     tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))  # seconds per later token, per request
     step_s: dict[str, float] = field(default_factory=dict)  # seconds in steps, per objective
@@ -136,7 +146,8 @@ class Engine:
     def __init__(self, backend: StepBackend, placements: ObjectivePlacements, tokenizer, slots: int,
                  buckets: Buckets, max_context: int, monitor: Monitor | None = None,
                  log: Callable[[str], None] | None = None, clock: Callable[[], float] = time.perf_counter,
-                 latency_rows: int | None = None):
+                 latency_rows: int | None = None, max_queued: int | None = None,
+                 queue_timeout_s: float | None = None):
         self.backend = backend
         self.placements = placements
         self.tokenizer = tokenizer
@@ -147,6 +158,8 @@ class Engine:
         # the latency plan serves the low-load bucket: at most this many requests in flight while it is active
         self.rows = {"latency": min(slots, latency_rows or slots), "throughput": slots}
         self.monitor = monitor or Monitor(enabled=False)
+        self.max_queued = max_queued  # requests waiting for a slot beyond which submit refuses (None: no bound)
+        self.queue_timeout_s = queue_timeout_s  # how long a request may wait for its first slot (None: forever)
         self.log = log or (lambda text: print(text, file=sys.stderr))
         self.clock = clock
         self.stats = EngineStats()
@@ -220,6 +233,12 @@ class Engine:
         if self.error is not None or not self._admitting or self._stop.is_set():
             raise EngineUnavailable("the server is shutting down" if self.error is None else
                                     "the engine has failed; the server is exiting for its supervisor to restart it")
+        queued, running = self.queue_depth()
+        waiting = queued - max(0, self.scheduler.slots - running)  # those a free slot will not take at once
+        if self.max_queued is not None and waiting >= self.max_queued:
+            self.stats.refused += 1
+            raise EngineBusy(f"{waiting} requests already wait for one of the {self.scheduler.slots} slots, the "
+                             f"queue's limit (--max-queue {self.max_queued}); retry shortly")
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         if params.max_tokens < 1:
@@ -307,6 +326,17 @@ class Engine:
             self._by_request[id(gen.sched)] = gen
         for gen in [g for g in self._by_request.values() if g.cancelled]:
             self._finish(gen, "cancelled", self.clock())
+        if self.queue_timeout_s is not None:
+            self._expire(self.clock())
+
+    def _expire(self, now: float) -> None:
+        """Fail the requests that have waited past the queue's deadline without ever getting a slot."""
+        for gen in [g for g in self._by_request.values() if g.sched.slot is None and not g.tokens
+                    and now - g.sched.arrival_s > self.queue_timeout_s]:
+            self.stats.expired += 1
+            self._fail(gen, QueueTimeout(f"the request waited {now - gen.sched.arrival_s:.1f} s for a slot, past "
+                                         f"the queue's deadline (--queue-timeout {self.queue_timeout_s:g} s): the "
+                                         "server is overloaded; retry later"), now)
 
     def _close_window(self, now: float) -> None:
         switch = self.monitor.close_window(now, list(self.scheduler.waiting), list(self.scheduler.running),
@@ -400,7 +430,7 @@ class Engine:
         if gen.sched.finish_s is None:
             self.scheduler.finish(gen.sched, now)
         self._forget(gen)
-        self._emit(gen, "error", ServerFault(message))
+        self._emit(gen, "error", message if isinstance(message, ServerFault) else ServerFault(message))
 
     def _forget(self, gen: Generation) -> None:
         self._by_request.pop(id(gen.sched), None)

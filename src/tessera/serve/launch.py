@@ -153,7 +153,7 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
     monitor = Monitor(cfg.beta, cfg.window_s, cfg.cooldown_s,
                       enabled=placements.differ or cfg.latency_rows < cfg.slots)
     engine = Engine(backend, placements, tokenizer, cfg.slots, buckets, cfg.max_context, monitor, log,
-                    latency_rows=cfg.latency_rows)
+                    latency_rows=cfg.latency_rows, max_queued=cfg.max_queue, queue_timeout_s=cfg.queue_timeout_s)
     return engine.start(), how
 
 

@@ -32,6 +32,14 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class Busy(APIError):
+    """429: the server is full now; the response says to retry after ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, code: str = "server_full", retry_after_s: int = 1):
+        super().__init__(429, message, "rate_limit_error", code=code)
+        self.retry_after_s = retry_after_s
+
+
 def invalid_request(errors: list[dict[str, Any]]) -> APIError:
     """The 400 error for a body that is not JSON or does not fit its schema, from pydantic's error list."""
     first = errors[0] if errors else {}

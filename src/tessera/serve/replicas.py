@@ -60,7 +60,8 @@ def start_replicas(cfg: ServeConfig, start_engine: Callable[..., tuple[Engine, s
         for r in replicas:
             log(f"replica on {r.target}: {r.rows} slot{'s' if r.rows != 1 else ''}")
             one = replace(cfg, cluster="cpu:1", slots=r.rows, policy="homogeneous", threads=threads,
-                          latency_rows=min(cfg.latency_rows, r.rows))
+                          latency_rows=min(cfg.latency_rows, r.rows),  # the queue's bound split between replicas
+                          max_queue=None if cfg.max_queue is None else -(-cfg.max_queue // len(replicas)))
             engines.append(start_engine(one, log)[0])
     except BaseException:
         for e in engines:
@@ -178,6 +179,8 @@ class ReplicatedEngine:
             out.failed += s.failed
             out.failed_steps += s.failed_steps
             out.recoveries += s.recoveries
+            out.refused += s.refused
+            out.expired += s.expired
             for mine, theirs in ((out.ttft, s.ttft), (out.tpot, s.tpot)):
                 _add(mine, theirs)
             for o, v in dict(s.step_s).items():

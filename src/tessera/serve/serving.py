@@ -25,13 +25,22 @@ from typing import Any
 
 from tessera.serve.engine import (
     Engine,
+    EngineBusy,
     EngineUnavailable,
     Generation,
     GenerationParams,
+    QueueTimeout,
     RequestError,
     ServerFault,
 )
-from tessera.serve.protocol import APIError, ChatMessage, ChatRequest, CompletionRequest, SamplingRequest
+from tessera.serve.protocol import (
+    APIError,
+    Busy,
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    SamplingRequest,
+)
 
 DISCONNECT_POLL_S = 0.25  # how often a whole (non-streamed) request checks that its client is still there
 
@@ -57,6 +66,8 @@ class _Events:
 def _failure(engine: Engine, message: str) -> APIError:
     """The error for a request the engine ended with ``message``: the server's if it says so (a ServerFault),
     else the request's."""
+    if isinstance(message, QueueTimeout):
+        return APIError(503, str(message), "server_error", code="queue_timeout")
     if isinstance(message, ServerFault) or engine.error is not None:
         return APIError(500, str(message), "server_error")
     return APIError(400, str(message))
@@ -376,6 +387,8 @@ class OpenAIServing:
             raise APIError(400, str(e)) from None
         except EngineUnavailable as e:
             raise APIError(503, str(e), "server_error") from None
+        except EngineBusy as e:
+            raise Busy(str(e), code="queue_full") from None
         return Served(self.engine, gen, events, len(prompt_ids))
 
     def _submit_request(self, body: SamplingRequest, prompt_ids: list[int], max_tokens: int, what: str) -> Served:
