@@ -96,7 +96,9 @@ def main() -> None:
             report = run_bench(launch.url, workload, MODEL)
             real = report.summary()
             sim = simulated(times, report)
-            rows.append({"name": name, "workload": workload, "measured": real, "simulated": sim})
+            rows.append({"name": name, "workload": workload, "measured": real, "simulated": sim,
+                         "requests": [[o.sent_s, o.first_s, o.end_s, o.prompt_tokens, o.output_tokens]
+                                      for o in report.outcomes if o.ok]})
             print(_line(name, real, sim), flush=True)
     finally:
         supervisor.stop()

@@ -17,19 +17,21 @@ def times(**kw) -> EngineStepTimes:
     return EngineStepTimes(**base)
 
 
-def test_the_prefill_fit_recovers_the_gemm_and_attention_parts():
-    a, b, c = 0.004, 2e-4, 5e-8  # fixed, per token, per attention pair
-    lone = tuple((n, a + b * n + c * n * n) for n in (16, 64, 256, 1024))
-    batched = tuple((k, n, a + b * k * n + c * k * n * n) for k, n in ((32, 64), (8, 256)))
+def test_the_prefill_fit_recovers_the_gemm_attention_and_per_prompt_parts():
+    a, b, c, d = 0.004, 2e-4, 5e-8, 3e-3  # fixed, per token, per attention pair, per prompt
+    lone = tuple((n, a + b * n + c * n * n + d) for n in (16, 64, 256, 1024))
+    batched = tuple((k, n, a + b * k * n + c * k * n * n + d * k) for k, n in ((32, 64), (8, 256), (128, 16)))
     t = times(prefill=lone, batched=batched)
-    assert t.prefill_coefficients == pytest.approx((a, b, c), rel=1e-6)
-    assert t.prefill_s(512) == pytest.approx(a + b * 512 + c * 512 * 512)
-    assert t.prefill_s(512, 8 * 64 * 64) == pytest.approx(a + b * 512 + c * 8 * 64 * 64)  # 8 prompts of 64
+    fit = t.prefill_fit
+    assert (fit.fixed, fit.per_token, fit.per_pair, fit.per_sequence) == pytest.approx((a, b, c, d), rel=1e-6)
+    assert t.prefill_s(512) == pytest.approx(a + b * 512 + c * 512 * 512 + d)
+    assert t.prefill_s(512, 8 * 64 * 64, 8) == pytest.approx(a + b * 512 + c * 8 * 64 * 64 + 8 * d)  # 8 of 64
 
 
 def test_the_fit_never_goes_negative():
     t = times(prefill=((16, 0.05), (64, 0.05), (256, 0.04)))  # noise that a free fit would answer with b < 0
-    assert min(t.prefill_coefficients) >= 0
+    fit = t.prefill_fit
+    assert min(fit.fixed, fit.per_token, fit.per_pair, fit.per_sequence) >= 0 and fit.per_sequence == 0
     assert t.prefill_s(1024) > 0
 
 
@@ -44,12 +46,13 @@ def test_decode_is_linear_in_context_then_rows():
 
 
 def test_a_mixed_step_is_its_decode_plus_what_the_prompt_tokens_add():
-    t = times()
-    _, b, c = t.prefill_coefficients
+    t = times(batched=((32, 64, 0.9),))
+    fit = t.prefill_fit
     assert t.step_s(0, 8, 64) == pytest.approx(t.decode_s(8, 64))
     assert t.step_s(100, 0, 0) == pytest.approx(t.prefill_s(100))
-    assert t.step_s(56, 8, 64, prompt_squares=56 * 56 + 2 * 56 * 200) == pytest.approx(
-        t.decode_s(8, 64) + b * 56 + c * (56 * 56 + 2 * 56 * 200))
+    squares = 56 * 56 + 2 * 56 * 200 + 10 * 10
+    assert t.step_s(66, 8, 64, prompt_squares=squares, prompts=2) == pytest.approx(
+        t.decode_s(8, 64) + fit.per_token * 66 + fit.per_pair * squares + 2 * fit.per_sequence)
 
 
 def test_round_trip_and_errors(tmp_path):

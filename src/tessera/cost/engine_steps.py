@@ -2,13 +2,13 @@
 its rows and their context, measured on a running engine (`tessera profile-engine`) or predicted by the
 cost model for a GPU the user does not have. The simulator's vLLM scheduler times every step from it.
 
-A prefill step's time is fitted as ``a + b * tokens + c * squares``: a fixed part, a part per token (the
-GEMMs) and a part per attention pair (``squares``: a prompt of n tokens adds n^2, a chunk of n tokens after
-a context of m adds n^2 + 2nm), least squares with non-negative coefficients over every prefill measured
-(lone prompts of several lengths, and several short prompts in one step, which tell the GEMMs' share from
-attention's). A vLLM step mixes prompt chunks and decodes under one token budget: its time here is the
-decode part's time (from the decode table) plus what its prompt tokens and their attention add
-(``b * tokens + c * squares``)."""
+A prefill step's time is fitted as ``fixed + per_token * tokens + per_pair * squares + per_sequence *
+prompts`` (`PrefillFit`): a fixed part, the GEMMs per token, attention per pair (``squares``: a prompt of n
+tokens adds n^2, a chunk of n tokens after a context of m adds n^2 + 2nm), and what each prompt adds beyond
+its tokens (its last position's logits over the vocabulary, its sampling), least squares with non-negative
+coefficients over every prefill measured (lone prompts of several lengths, and many short prompts in one
+step, which tell the parts apart). A vLLM step mixes prompt chunks and decodes under one token budget: its
+time here is the decode part's time (from the decode table) plus what its prompt chunks add."""
 
 from __future__ import annotations
 
@@ -27,6 +27,20 @@ STEP_TIMES_VERSION = 1
 
 class EngineStepTimesError(TesseraError):
     """A step-times file that cannot be read or used."""
+
+
+@dataclass(frozen=True)
+class PrefillFit:
+    """Seconds of a prefill step: fixed, per prompt token, per attention pair, per prompt in the step."""
+
+    fixed: float
+    per_token: float
+    per_pair: float
+    per_sequence: float
+
+    def added(self, tokens: float, squares: float, sequences: int) -> float:
+        """What prompt chunks add to a step beyond its fixed part."""
+        return self.per_token * tokens + self.per_pair * squares + self.per_sequence * sequences
 
 
 @dataclass(frozen=True)
@@ -63,18 +77,18 @@ class EngineStepTimes:
         object.__setattr__(self, "prefill", tuple(sorted((int(n), float(s)) for n, s in self.prefill)))
         object.__setattr__(self, "decode", tuple(sorted((int(r), int(c), float(s)) for r, c, s in self.decode)))
         object.__setattr__(self, "batched", tuple(sorted((int(k), int(n), float(s)) for k, n, s in self.batched)))
-        object.__setattr__(self, "_coefficients", _fit_prefill(self.prefill, self.batched))
+        object.__setattr__(self, "_fit", _fit_prefill(self.prefill, self.batched))
 
     @property
-    def prefill_coefficients(self) -> tuple[float, float, float]:
-        """(fixed seconds, seconds per token, seconds per attention pair) of a prefill step."""
-        return self._coefficients  # type: ignore[attr-defined]
+    def prefill_fit(self) -> PrefillFit:
+        """The prefill step's fitted parts."""
+        return self._fit  # type: ignore[attr-defined]
 
-    def prefill_s(self, tokens: float, squares: float | None = None) -> float:
-        """A step of ``tokens`` prompt tokens with ``squares`` attention pairs (default: one prompt of
-        ``tokens``)."""
-        a, b, c = self.prefill_coefficients
-        return a + b * tokens + c * (tokens * tokens if squares is None else squares)
+    def prefill_s(self, tokens: float, squares: float | None = None, sequences: int = 1) -> float:
+        """A step of ``tokens`` prompt tokens in ``sequences`` prompts with ``squares`` attention pairs
+        (default: one prompt of ``tokens``)."""
+        fit = self.prefill_fit
+        return fit.fixed + fit.added(tokens, tokens * tokens if squares is None else squares, sequences)
 
     def decode_s(self, rows: int, ctx: float) -> float:
         """A decode step of ``rows`` rows at mean context ``ctx``: linear in context at each measured row
@@ -86,19 +100,19 @@ class EngineStepTimes:
         at = [(r, _linear([c for c, _ in by_rows[r]], [s for _, s in by_rows[r]], ctx)) for r in row_points]
         if len(at) == 1:  # one row count measured: scale by the prefill's cost per token
             r0, s0 = at[0]
-            return s0 + self.prefill_coefficients[1] * (rows - r0)
+            return s0 + self.prefill_fit.per_token * (rows - r0)
         return _linear([r for r, _ in at], [s for _, s in at], rows)
 
-    def step_s(self, prompt_tokens: int, decode_rows: int, decode_ctx: float, prompt_squares: float | None = None) \
-            -> float:
-        """One engine step running ``prompt_tokens`` prompt tokens (chunks of any prompts, with
+    def step_s(self, prompt_tokens: int, decode_rows: int, decode_ctx: float, prompt_squares: float | None = None,
+               prompts: int = 1) -> float:
+        """One engine step running ``prompt_tokens`` prompt tokens (chunks of ``prompts`` prompts, with
         ``prompt_squares`` attention pairs; default one prompt) and ``decode_rows`` decodes at mean context
         ``decode_ctx``."""
         squares = prompt_tokens * prompt_tokens if prompt_squares is None else prompt_squares
         if decode_rows <= 0:
-            return self.prefill_s(max(prompt_tokens, 1), squares)
-        _, b, c = self.prefill_coefficients
-        return self.decode_s(decode_rows, decode_ctx) + b * prompt_tokens + c * squares
+            return self.prefill_s(max(prompt_tokens, 1), squares, max(prompts, 1))
+        added = self.prefill_fit.added(prompt_tokens, squares, prompts) if prompt_tokens > 0 else 0.0
+        return self.decode_s(decode_rows, decode_ctx) + added
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -142,30 +156,34 @@ class EngineStepTimes:
                                        "measure one with `tessera profile-engine -o FILE`"), str(path))
 
 
-def _fit_prefill(lone: tuple[tuple[int, float], ...], batched: tuple[tuple[int, int, float], ...]) \
-        -> tuple[float, float, float]:
-    """(a, b, c) >= 0 of ``a + b * tokens + c * squares`` closest to every measured prefill step, each
-    weighted by 1 / its time (relative error counts, so short steps are fitted as well as long ones)."""
+def _fit_prefill(lone: tuple[tuple[int, float], ...], batched: tuple[tuple[int, int, float], ...]) -> PrefillFit:
+    """The `PrefillFit` (every part >= 0) closest to every measured prefill step, each weighted by 1 / its
+    time (relative error counts, so short steps are fitted as well as long ones). With lone prompts only,
+    the per-prompt part cannot be told from the fixed one and stays zero."""
     import itertools
 
     import numpy as np
 
-    rows = [(1.0, n, n * n, s) for n, s in lone] + [(1.0, k * n, k * n * n, s) for k, n, s in batched]
-    a = np.array([[x / r[3] for x in r[:3]] for r in rows])
+    rows = [(1.0, n, n * n, 1.0, s) for n, s in lone] + [(1.0, k * n, k * n * n, float(k), s) for k, n, s in batched]
+    a = np.array([[x / r[-1] for x in r[:-1]] for r in rows])
+    if not batched:
+        a[:, 3] = 0.0
     scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
     a = a / scale
-    best, coef = np.inf, np.zeros(3)
-    for used in itertools.chain.from_iterable(itertools.combinations(range(3), k) for k in (1, 2, 3)):
-        cols = list(used)  # three unknowns: every set of free coefficients, the rest held at zero
-        x = np.linalg.lstsq(a[:, cols], np.ones(len(rows)), rcond=None)[0]
-        if (x < 0).any():
-            continue
-        residual = float(np.sum((a[:, cols] @ x - 1.0) ** 2))
-        if residual < best:
-            best, coef = residual, np.zeros(3)
-            coef[cols] = x
+    best, coef = np.inf, np.zeros(4)
+    for k in range(1, 5):
+        for used in itertools.combinations(range(4), k):  # every set of free parts, the rest held at zero
+            cols = list(used)
+            x = np.linalg.lstsq(a[:, cols], np.ones(len(rows)), rcond=None)[0]
+            if (x < 0).any():
+                continue
+            residual = float(np.sum((a[:, cols] @ x - 1.0) ** 2))
+            if residual < best - 1e-12:
+                best, coef = residual, np.zeros(4)
+                coef[cols] = x
     coef = coef / scale
-    return float(coef[0]), float(coef[1]), float(coef[2])
+    return PrefillFit(*(float(v) for v in coef))
 
 
 def _linear(xs: list[float], ys: list[float], x: float) -> float:

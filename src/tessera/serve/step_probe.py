@@ -158,9 +158,9 @@ async def measure_async(url: str, model: str, *, prompts: tuple[int, ...] = DEFA
         decode: list[tuple[int, int, float]] = []
         for ctx in sorted(set(contexts)):
             for r in sorted(set(rows)):
-                if r > max_num_seqs or r * ctx > MAX_PROBE_TOKENS or ctx + 12 > longest:
+                if r > max_num_seqs or r * ctx > MAX_PROBE_TOKENS or ctx + 24 > longest:
                     continue
-                steps = -(-r * ctx // max_num_batched_tokens) + 12
+                steps = -(-r * ctx // max_num_batched_tokens) + 24  # a window of about 24 decode steps
                 say(f"decode of {r} rows at context {ctx}")
                 streams = await asyncio.gather(*(_stream(c, url, model, make.make(ctx), steps) for _ in range(r)))
                 found = _window_step(list(streams))

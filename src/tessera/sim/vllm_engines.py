@@ -156,7 +156,8 @@ class EngineSim:
         prompt = sum(n for n, _ in chunks)
         squares = sum(n * n + 2 * n * before for n, before in chunks)
         decodes = [r.prompt + r.generated for r, _ in step if not r.prefilling]
-        return self.times.step_s(prompt, len(decodes), float(np.mean(decodes)) if decodes else 0.0, squares)
+        return self.times.step_s(prompt, len(decodes), float(np.mean(decodes)) if decodes else 0.0, squares,
+                                 len(chunks))
 
     def finish(self, now: float) -> list[SimRequest]:
         """End the running step at ``now``; the requests done on this engine (finished or moving on)."""
