@@ -4,8 +4,8 @@ Tolerances: the production encode is compared with the eager (``graph="eager"``)
 within ``atol = rtol = 1e-2`` in bf16 (the fused units compute what Hugging Face's modules compute, with
 the same casts; on the CPU the two agree bit for bit today, which the test prints). Text prefill / decode
 logits are compared within ``2e-2`` (as tests/capture/test_vlm.py does against Hugging Face) and greedy
-tokens must be equal; that part needs the dense decoder's ``apply_text_decoder`` and is skipped, naming it,
-where it is not available.
+tokens must be equal (the text decoder must be the production one: a fallback to Hugging Face's forward
+fails the test, naming it).
 """
 
 from __future__ import annotations
@@ -166,9 +166,7 @@ def _greedy_chain(model, consts, cfg, pixels):
 def test_prefill_and_decode_match_eager(tiny):
     cfg, (eager, eager_consts), (prod, prod_consts), _ = tiny
     missing = _text_decoder_missing(prod)
-    if missing is not None:
-        pytest.skip(f"tessera.capture.production.decoder.apply_text_decoder is not on this branch; the "
-                    f"text decoder falls back to Hugging Face's forward ({missing})")
+    assert missing is None, f"the text decoder fell back to Hugging Face's forward: {missing}"
     pixels = _pixels(image_grid(cfg.vision_config, IMAGE), BATCH)
     ref_pre, ref_dec = _greedy_chain(eager, eager_consts, cfg, pixels)
     pre, dec = _greedy_chain(prod, prod_consts, cfg, pixels)

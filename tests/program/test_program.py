@@ -14,6 +14,7 @@ from tessera.capture.step import Step
 from tessera.capture.tiny import tiny_config
 from tessera.capture.trace import trace
 from tessera.graph.dataflow import colocation_units
+from tessera.graph.ir import TensorRef
 from tessera.graph.ranges import Ranges
 from tessera.program.placements import synthetic_placement
 from tessera.program.program import PlacementError, build_programs, single_device_program
@@ -145,9 +146,16 @@ def test_single_device_program_frees_activations_and_moves_nothing():
     assert not sp.transfers
     prog = single_device_program(g)
     assert prog.instructions == sp.programs[0].instructions
-    freed = {i.buffer for i in prog.instructions if i.kind == "free"}
-    kinds = {g.buffers[b].kind for b in freed}
-    assert kinds <= {"activation", "input"} and "logits" not in freed
+    freed = [i.buffer for i in prog.instructions if i.kind == "free"]
+    kept = {TensorRef.from_json(r).buffer for r in g.outputs.values()}  # step outputs are collected
+    transient = {a.buffer for a in g.accesses if g.buffers[a.buffer].kind in ("activation", "input", "output")}
+    assert len(freed) == len(set(freed)) and set(freed) == transient - kept and freed  # each exactly once
+    assert not kept & set(freed) and not {b for b in freed if g.buffers[b].kind in ("weight", "state")}
+    position = {i.buffer: n for n, i in enumerate(prog.instructions) if i.kind == "free"}
+    for n, i in enumerate(prog.instructions):  # a buffer is freed after the last kernel that touches it
+        if i.kind == "run":
+            touched = {a.buffer for a in g.accesses if a.kernel == i.kernel}
+            assert all(position[b] > n for b in touched if b in position)
     assert set(prog.weights) == set(g.weight_names())
 
 

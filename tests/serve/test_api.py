@@ -304,11 +304,13 @@ def test_a_client_that_disconnects_frees_its_slot(served):
             client.stream("POST", f"{served.url}/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
         lines = r.iter_lines()  # kept: dropping a half-read iterator closes the connection
-        for line in lines:
+        tokens = 0
+        for line in lines:  # a few tokens in: the request is streaming
             if line.startswith("data:") and json.loads(line[5:])["choices"][0]["text"]:
-                break
-        time.sleep(0.5)
-        assert engine.queue_depth() == (0, 1)  # still streaming
+                tokens += 1
+                if tokens == 3:
+                    break
+        assert tokens == 3 and engine.queue_depth() == (0, 1)  # still streaming, the client still there
     assert _idle(engine, 15), engine.queue_depth()
     # a non-streamed request whose client gives up is cancelled too
     with pytest.raises(httpx.ReadTimeout):

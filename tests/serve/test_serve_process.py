@@ -143,9 +143,13 @@ def test_worker_loss_at_start_up_and_while_serving_then_the_last_one_exits_non_z
               f"{time.monotonic() - killed:.2f} s (health poll {to_ok:.2f} s), 0 streams failed")
 
         last: list[str] = []
+        before = _value(httpx.get(f"{url}/metrics", timeout=5).text, "tessera_generated_tokens_total")
         t = threading.Thread(target=_stream, args=(url, {**ASK, "max_tokens": 40}, last))
         t.start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while _value(httpx.get(f"{url}/metrics", timeout=5).text, "tessera_generated_tokens_total") < before + 3:
+            assert time.monotonic() < deadline  # the stream is 3 tokens in: the kill lands mid-stream
+            time.sleep(0.01)
         os.kill(workers.workers()[0], signal.SIGKILL)
         t.join(timeout=60)
         assert workers.proc.wait(60) != 0

@@ -239,7 +239,8 @@ def build_programs(graph: KernelGraph, placement: list[int], devices: list[str],
                     held[a.buffer][s] = held[a.buffer][s] - wrote
             held[a.buffer][d] = held[a.buffer].get(d, Ranges()) | wrote
             updated[(a.buffer, d)].append((wrote, k))
-        for name in kernel_buffers(graph, k):
+        # a fused unit's extra outputs may appear in its accesses only (a written, never read residual): freed too
+        for name in kernel_buffers(graph, k) | {a.buffer for a in accesses[k]}:
             if kinds[name] not in STATIC_KINDS:
                 uses[d][name] = k
             elif kinds[name] == "weight":
