@@ -63,3 +63,15 @@ def test_profile_engine_refuses_bad_input(tmp_path, extra, message):
     code, _, text = _run("profile-engine", "smollm2-135m", "-o", str(tmp_path / "s.json"), *extra)
     assert code != 0 and message in text
     assert not (tmp_path / "s.json").exists()
+
+
+def test_plan_on_vllm_reports_the_simulated_engines():
+    code, stdout, _ = _run("plan", "smollm2-135m", "--cluster", "A100:1,L40S:1", "--policy", "homogeneous",
+                           "--device", "A100", "--max-num-seqs", "1", "--workload", "poisson:rate=2,lengths=azure-conv,"
+                           "requests=8", "--engine", "vllm", "--json")
+    assert code == 0, stdout
+    (row,) = json.loads(stdout)
+    assert row["vllm"]["completed"] == 8 and row["vllm"]["throughput"] > 0
+    assert row["vllm"]["ttft_p50_s"] > 0 and row["vllm"]["tpot_p50_s"] > 0
+    code, _, text = _run("plan", "smollm2-135m", "--cluster", "A100:1,L40S:1", "--engine", "sglang")
+    assert code != 0 and "--engine must be tessera or vllm (got 'sglang')" in text

@@ -14,7 +14,7 @@ from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
 from tessera.errors import TesseraError
-from tessera.plan.config import AdmissionConfig, PlanConfig
+from tessera.plan.config import AdmissionConfig, PlanConfig, PlanConfigError
 from tessera.plan.problem import OBJECTIVES
 
 _PLAN = PlanConfig(model="", cluster="")
@@ -52,6 +52,9 @@ def plan(
                                        "of different placements sharing the cluster) only when it plans this much "
                                        "above the best single-engine plan (0.05 = 5%; 0: any gain)."),
     factors: Path = opt.FACTORS,
+    engine: str = typer.Option("tessera", "--engine", help="tessera | vllm: with vllm, also simulate each plan "
+                               "vLLM can run on vLLM engines (chunked prefill under a token budget, steps "
+                               "predicted per device) and print what they serve."),
     as_json: bool = opt.JSON,
 ) -> None:
     """Plan a deployment: place every kernel on the device type that suits it (or solve a baseline policy)."""
@@ -66,6 +69,8 @@ def plan(
         if compare and output is None and not as_json:  # --json prints; it writes only what -o asks for
             output = Path("tessera-plan.json")
         check_output_file(output, "--output", "plan.json")
+        if engine not in ("tessera", "vllm"):
+            raise PlanConfigError(f"--engine must be tessera or vllm (got {engine!r})")
         config = PlanConfig(model, cluster, workload, policy, objective, device, max_batch, prices,
                             CostOptions(weights_dtype, kv_dtype, factors=opt.load_factors(factors)), skew, cache_ctx, expert_split,
                             AdmissionConfig(max_num_seqs, memory_utilization, block_size), mix_min_gain)
@@ -81,6 +86,7 @@ def plan(
         other = "latency" if objective == "throughput" else "throughput"
         if chosen.applicable and chosen.feasible:
             add_objective_steps(ctx, chosen, other)
+        on_vllm = _on_vllm(ctx, plans) if engine == "vllm" else {}
         figure = None
         if output is not None and chosen.applicable and chosen.steps:
             write_output(output, "--output", chosen.save, "plan.json")
@@ -90,7 +96,7 @@ def plan(
     except TesseraError as e:
         _fail(e)
     if as_json:
-        rows = [p.summary() for p in plans]
+        rows = [{**p.summary(), **({"vllm": on_vllm[i]} if i in on_vllm else {})} for i, p in enumerate(plans)]
         share = _headroom(plans)
         if share is not None:
             rows[-1]["headroom_share"] = share[0]
@@ -103,6 +109,8 @@ def plan(
         _out.print(f"{other} step plans in the same residency (batch {o['batch']}): {o['throughput']:,.0f} "
                    f"{chosen.unit}, {_ms(o['latency_s'])} per {'image' if chosen.unit == 'images/s' else 'output token'}")
     _engines_lines(chosen)
+    if engine == "vllm":
+        _vllm_table(plans, on_vllm, ctx)
     if output is not None and chosen.steps:
         drawn = f"; placement figure: {figure}" if figure else " (several engines: no single kernel split to draw)"
         _out.print(f"plan ({chosen.policy}) written to {output}{drawn}")
@@ -154,6 +162,36 @@ def _table(plans, ctx, objective: str) -> None:
         _out.print(f"tessera vs the best baseline: {verdict} (bottleneck: {tess.bottleneck})")
         if tess.extra.get("mix_declined"):
             _out.print(f"  not adopted: {tess.extra['mix_declined']}")
+
+
+def _on_vllm(ctx, plans) -> dict[int, dict]:
+    """Each plan vLLM can run, simulated on vLLM engines: its summary by the plan's index."""
+    from tessera.sim.vllm_deployment import simulate_on_vllm
+
+    predicted: dict = {}
+    out = {}
+    for i, p in enumerate(plans):
+        if p.applicable and p.feasible and "vllm" in p.layout.runnable_on:
+            result = simulate_on_vllm(ctx, p, progress=lambda s: _err.print(f"[dim]{s}[/]"), predicted=predicted)
+            out[i] = result.summary()
+    return out
+
+
+def _vllm_table(plans, on_vllm: dict[int, dict], ctx) -> None:
+    table = Table(title=f"on vLLM engines (simulated: vLLM's scheduling, steps predicted per device), "
+                        f"{ctx.workload_text}")
+    for col in ("policy", "tokens/s", "TTFT p50", "TPOT p50", "note"):
+        table.add_column(col, justify="left" if col in ("policy", "note") else "right")
+    for i, p in enumerate(plans):
+        name = p.policy + (f" ({p.device})" if p.device else "")
+        s = on_vllm.get(i)
+        if s is None:
+            why = "not applicable" if not p.applicable else "does not fit" if not p.feasible else \
+                "splits kernels: --engine tessera only"
+            table.add_row(name, "-", "-", "-", why)
+        else:
+            table.add_row(name, f"{s['throughput']:,.0f}", _ms(s["ttft_p50_s"]), _ms(s["tpot_p50_s"]), "")
+    _out.print(table)
 
 
 def _engines_lines(plan) -> None:

@@ -15,7 +15,8 @@ from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DECODE, DeploymentPlan, PlannedEngine, StepPlan
 from tessera.plan.targets import Target, cluster_targets
 from tessera.sim.step_timer import StepTimer
-from tessera.sim.vllm_engines import EngineSim, SimRoute, VLLMSimulationError
+from tessera.sim.vllm_engines import EngineSim, SimRoute, VLLMSimResult, VLLMSimulationError, simulate_vllm
+from tessera.workload import draw_requests
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM 0.32's OpenAI server on a CPU and on GPUs below 70 GB
 PREDICTED_PROMPTS = (16, 128, 1024, 4096)
@@ -24,11 +25,11 @@ PREDICTED_CONTEXTS = (128, 4096)
 
 
 def vllm_engines(ctx: PlanContext, plan: DeploymentPlan, measured: EngineStepTimes | None = None,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 progress=None) -> tuple[list[EngineSim], list[SimRoute]]:
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, progress=None,
+                 predicted: dict[tuple[str, int], EngineStepTimes] | None = None) -> tuple[list[EngineSim], list[SimRoute]]:
     """The plan's engines and routes for the vLLM simulator. ``measured``: every engine steps as this
     measured engine does (measure on what one engine of the plan gets); otherwise each engine's times are
-    predicted for its device."""
+    predicted for its device (kept in ``predicted``, by target and sequence cap, for the next plan)."""
     layout = plan.layout
     if not layout.engines:
         raise VLLMSimulationError(f"the {plan.policy} plan names no engines ({plan.reason or 'not feasible'}); "
@@ -41,24 +42,32 @@ def vllm_engines(ctx: PlanContext, plan: DeploymentPlan, measured: EngineStepTim
         raise VLLMSimulationError(f"the step times were measured for {measured.model}, the plan serves {plan.model}; "
                                   f"measure {plan.model} with `tessera profile-engine`")
     names = [e.name for e in layout.engines]
-    predicted: dict[str, EngineStepTimes] = {}
+    predicted = {} if predicted is None else predicted
     engines = []
     for e in layout.engines:
         if measured is not None:
             times = measured
         else:
             target = _target(ctx, e.targets[0])
-            if target.name not in predicted:
+            key = (target.name, e.max_num_seqs)
+            if key not in predicted:
                 if progress is not None:
                     progress(f"predicting vLLM step times of {plan.model} on {target.name}")
-                predicted[target.name] = predicted_step_times(ctx, target, e.max_num_seqs)
-            times = predicted[target.name]
+                predicted[key] = predicted_step_times(ctx, target, e.max_num_seqs)
+            times = predicted[key]
         blocks = e.kv_tokens // e.block_size if e.kv_tokens is not None and measured is None else times.kv_blocks
         engines.append(EngineSim(e.name, times, e.max_num_seqs, max_num_batched_tokens,
                                  e.block_size if measured is None else times.block_size, blocks,
                                  handoff_s=_handoff_s(plan, e), devices=frozenset(e.devices)))
     routes = [SimRoute(r.name, r.share, tuple(names.index(h) for h in r.hops)) for r in layout.routes]
     return engines, routes
+
+
+def simulate_on_vllm(ctx: PlanContext, plan: DeploymentPlan, seed: int = 0, progress=None,
+                     predicted: dict[tuple[str, int], EngineStepTimes] | None = None) -> VLLMSimResult:
+    """``ctx``'s workload served by ``plan``'s engines on vLLM, every step predicted (`vllm_engines`)."""
+    engines, routes = vllm_engines(ctx, plan, progress=progress, predicted=predicted)
+    return simulate_vllm(engines, routes, draw_requests(ctx.workload, seed))
 
 
 def _handoff_s(plan: DeploymentPlan, engine: PlannedEngine) -> float:
