@@ -280,3 +280,38 @@ def test_runtime_inputs_are_checked(pool, model_dirs, references):
 
 def test_model_dirs_are_plannable(model_dirs):
     assert all(Path(d).is_dir() for d in model_dirs.values())
+
+
+def test_a_step_moves_exactly_the_state_rows_it_reads(pool, model_dirs):
+    """Under prefill-decode the KV a prefill wrote moves to the decode worker when a decode step reads it, and
+    only the rows that step reads: a slot prefilled but not decoded stays where it was written, and a second
+    decode of the same rows moves nothing (the simulator charges one move per request)."""
+    from tessera.runtime.session import runtime_context
+
+    model = model_dirs["llm"]
+    ctx = runtime_context(model, 2, PROMPT, DECODES, CTX, 2 * M, M)  # two slots per state instance
+    plan = plan_policy(ctx, "prefill-decode")
+    by_phase = {ph.phase: ph for ph in ctx.phases}
+    graphs = {s.phase: ctx.graph(by_phase[s.phase], s.micro_batches) for s in plan.steps}
+    steps = _cpu_steps(model, graphs)
+    weights, _ = unique_state({k: v for st in steps.values() for k, v in st.modules.items()})
+    runner = DistributedRunner(pool, graphs, {s.phase: s.assignment for s in plan.steps},
+                               {s.phase: s.micro_batches for s in plan.steps}, weights=weights, state_instances=M)
+    state = [n for n in graphs["decode"].state if n in runner.holder["decode"]]
+    assert state and runner._rows(state[0]) == 2
+    for slot in (0, 1):  # two requests prefilled into instance 0
+        inputs = _random_inputs(steps["prefill"], "prefill", 200 + slot, 200)
+        inputs["slots"] = torch.full_like(inputs["slots"], slot)
+        runner.step_chunks("prefill", [inputs], [0])
+        assert runner.last_moves == []  # the prefill worker fetches nothing: no one else wrote these rows
+    decode = {n: v.clone() for n, v in steps["decode"].inputs.items()}
+    decode["slots"] = torch.zeros_like(decode["slots"])  # every row of the step decodes request 0 (slot 0)
+    m = runner.micro_batches["decode"]
+    chunks = [{n: v.clone() for n, v in decode.items()} for _ in range(m)]
+    instances = [0] * m
+    runner.step_chunks("decode", chunks, instances)
+    prefill_worker = next(iter(runner.holder["prefill"].values()))
+    decode_worker = next(iter(runner.holder["decode"].values()))
+    assert sorted(runner.last_moves) == sorted((n, 0, prefill_worker, decode_worker, (0,)) for n in state)
+    runner.step_chunks("decode", chunks, instances)
+    assert runner.last_moves == []  # row 0 is on the decode worker now; row 1 was never read, so never moved

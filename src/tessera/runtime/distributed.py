@@ -101,6 +101,8 @@ class DistributedRunner:
         self.last_timing: StepTiming | None = None
         self.moved_bytes = 0  # state moved between workers so far (explicit moves)
         self.moves_made = 0  # explicit state moves so far (one per buffer, instance and source worker)
+        # the state moves before the last step: (buffer, instance, from worker, to worker, rows)
+        self.last_moves: list[tuple[str, int, int, int, tuple[int, ...]]] = []
         self.made: dict[str, TransfersMade] = {}  # per phase: the transfers its steps made so far
         self._row_counts: dict[str, int] = {}
         self._start(placements)
@@ -207,17 +209,25 @@ class DistributedRunner:
             out.append(mb)
         return out
 
-    def _moves_for(self, phase: str, instances: list[int]) -> None:
-        """Move state rows the phase needs from the worker that wrote them last (explicit, exact rows)."""
+    def _moves_for(self, phase: str, chunks: list[dict[str, torch.Tensor]], instances: list[int]) -> None:
+        """Move the state rows the step reads (its chunks' slots; every row where the state is not slot-major)
+        from the worker that wrote them last (explicit, exact rows); other rows stay where they are."""
         holder = self.holder[phase]
+        graph = self.graphs[phase]
         moves: dict[int, list[StateMove]] = {}
+        self.last_moves = []
         tag = 0
         for name, dst in sorted(holder.items()):
-            row_bytes = self._buffer(name).nbytes // self._rows(name)
-            for inst in instances:
+            n = self._rows(name)
+            row_bytes = self._buffer(name).nbytes // n
+            read: dict[int, set[int]] = {}
+            for inst, rows in zip(instances, _touched_rows(graph, chunks, n), strict=True):
+                read.setdefault(inst, set()).update(rows)
+            for inst, wanted in read.items():
                 owner = self._owner(name, inst)
-                for src in sorted({o for o in owner if o >= 0 and o != dst}):
-                    rows = [r for r, o in enumerate(owner) if o == src]
+                for src in sorted({owner[r] for r in wanted if owner[r] >= 0 and owner[r] != dst}):
+                    rows = sorted(r for r in wanted if owner[r] == src)
+                    self.last_moves.append((name, inst, src, dst, tuple(rows)))
                     spans = _row_spans(rows, row_bytes)
                     for me, peer, send in ((src, dst, True), (dst, src, False)):
                         moves.setdefault(self.members[me], []).append(StateMove(name, inst, spans, peer, tag, send))
@@ -271,7 +281,7 @@ class DistributedRunner:
 
     def _step(self, phase: str, chunks, instances: list[int], trace: bool) -> list[dict[str, torch.Tensor]]:
         sp = self.programs[phase]
-        self._moves_for(phase, instances)
+        self._moves_for(phase, chunks, instances)
         cmds = {}
         for rank, w in enumerate(self.members):
             prog = sp.programs[rank]
@@ -335,7 +345,7 @@ class DistributedRunner:
             raise RuntimeInputError("streamed steps cannot be replayed after a lost worker yet; use step() with "
                                     "on_failure='replan'")
         sp = self.programs[phase]
-        self._moves_for(phase, instances)
+        self._moves_for(phase, first, instances)  # a stream's later steps continue the same rows
         workers = {m: [(rank, w) for rank, w in enumerate(self.members)
                        if any(i.microbatch == m for i in sp.programs[rank].instructions)] for m in range(count)}
         waiting: dict[tuple[int, int], set[int]] = {}
