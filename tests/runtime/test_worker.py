@@ -67,3 +67,34 @@ def test_a_pool_worker_sent_an_unknown_command_fails_it_and_keeps_serving(pool):
         pool.call({0: c.Connected(0)}, 30.0)
     replies = pool.call({w: c.Ping() for w in pool.alive}, 30.0)
     assert all(isinstance(r, c.Pong) for r in replies.values())
+
+
+def test_a_worker_holding_several_phases_keeps_one_copy_of_each_weight():
+    """Every phase's executor binds the worker's own copy of a weight, made once on its device. On `meta`
+    every move to the device makes a new storage, so a copy per phase would show as distinct storages."""
+    from tessera.capture.build import instantiate
+    from tessera.capture.models import resolve_model
+    from tessera.capture.phases import StepShape, build_model, step_for
+    from tessera.capture.tiny import tiny_config
+    from tessera.capture.trace import trace
+    from tessera.program.program import single_device_program
+
+    meta, values = instantiate(lambda: build_model("llm", tiny_config("llm")), "meta")
+    spec = resolve_model("smollm2-135m")
+    graphs = {p: trace(step_for(spec, meta, values, p, StepShape(batch=1, seq=8 if p == "prefill" else 1, ctx=16),
+                                device="meta")) for p in ("prefill", "decode")}
+    phases = {p: c.PhaseLoad(g, single_device_program(g, "meta"), []) for p, g in graphs.items()}
+    shared = sorted(set(phases["prefill"].program.weights) & set(phases["decode"].program.weights))
+    assert shared
+    weights = {}
+    for g in graphs.values():
+        for n in g.weight_names():
+            b = g.buffers[n]
+            weights.setdefault(n, torch.zeros(b.shape, dtype=getattr(torch, b.dtype)))  # on the CPU, as loaded
+    worker = Worker(WorkerConfig(0, "127.0.0.1", 0, 1, device="meta"), store=None)
+    loaded = worker.load(c.Load(phases, None, weights, 1))
+    assert loaded.weights == len(worker.weights) and all(t.device.type == "meta" for t in worker.weights.values())
+    for name in shared:
+        mine = worker.weights[name].untyped_storage()._cdata
+        bound = {p: worker.phases[p][3]._static[name]._cdata for p in phases}
+        assert set(bound.values()) == {mine}, f"{name}: phases bind {bound}, the worker holds {mine}"

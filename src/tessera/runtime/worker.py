@@ -193,7 +193,10 @@ class Worker:
             for path in [weights_path] if isinstance(weights_path, str) else weights_path:
                 got = load_weights(path, sorted(wanted - set(have)))
                 have.update(got)
-        self.weights = have
+        # one copy per worker on its device, which every phase's executor binds (on a GPU, .to() per phase
+        # would hold a copy per phase: serve has a phase per bucket and objective)
+        self.weights = {n: t if t.device == self.device and t.is_contiguous() else t.to(self.device).contiguous()
+                        for n, t in have.items()}
         self.phases = {}
         shapes: dict[str, tuple] = {}
         for name, ph in phases.items():
