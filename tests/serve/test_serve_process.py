@@ -120,6 +120,8 @@ def test_worker_loss_at_start_up_and_while_serving_then_the_last_one_exits_non_z
         os.kill(workers.workers()[2], signal.SIGKILL)
         print(f"serving after a start-up loss in {workers.wait_serving():.1f} s (from the kill)")
         assert "(while starting)" in workers.text() or "re-planning" in workers.text()
+        health = httpx.get(f"{url}/health", timeout=5).json()  # serving on 2 of its 3 workers: degraded, and why
+        assert health["status"] == "degraded" and "lost cpu:2" in health["detail"], health
         plain = httpx.post(f"{url}/v1/completions", json=ASK, timeout=120).json()["choices"][0]["text"]
 
         streams: list[str] = []
@@ -134,6 +136,8 @@ def test_worker_loss_at_start_up_and_while_serving_then_the_last_one_exits_non_z
         os.kill(workers.workers()[1], signal.SIGKILL)
         to_recovering = _health_when(url, "recovering", 10)
         to_ok = _wait_ok(url, 120)
+        health = httpx.get(f"{url}/health", timeout=5).json()
+        assert health["status"] == "degraded" and "lost cpu:1" in health["detail"], health
         t.join(timeout=120)
         assert _text(streams[0]) == plain, streams  # the stream went on with the same tokens
         assert streams[0].rstrip().endswith("data: [DONE]") and '"error"' not in streams[0]

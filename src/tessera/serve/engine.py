@@ -172,7 +172,8 @@ class Engine:
         self._lock = threading.Lock()
         self._count = 0
         self.error: BaseException | None = None  # what stopped the engine for good (the backend is lost)
-        self.status = "ready"  # ready | recovering | draining | failed | stopped
+        self.status = "ready"  # ready | recovering | degraded | draining | failed | stopped
+        self.degraded = ""  # what the engine lost, while it serves on fewer workers than it started with
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._admitting = True
         self._abort: str | None = None  # end every request with this message (shutdown after draining)
@@ -187,7 +188,8 @@ class Engine:
             self.log(f"worker lost while serving, recovering: {detail}")
         else:
             self.stats.recoveries += 1
-            self.status = "draining" if not self._admitting else "ready"
+            self.status = "draining" if not self._admitting else "degraded"  # on fewer workers than it started with
+            self.degraded = detail
             self.log(f"recovered: {detail}")
 
     # -------------------------------------------------------------------------------------------------
@@ -210,7 +212,7 @@ class Engine:
     def close_admission(self) -> None:
         """Take no new requests (submit raises EngineUnavailable); those admitted go on."""
         self._admitting = False
-        if self.status == "ready":
+        if self.status in ("ready", "degraded"):
             self.status = "draining"
 
     def abort(self, message: str) -> None:

@@ -154,6 +154,9 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
                       enabled=placements.differ or cfg.latency_rows < cfg.slots)
     engine = Engine(backend, placements, tokenizer, cfg.slots, buckets, cfg.max_context, monitor, log,
                     latency_rows=cfg.latency_rows, max_queued=cfg.max_queue, queue_timeout_s=cfg.queue_timeout_s)
+    lost = [] if cfg.local else [pool.devices[w] for w in sorted(pool.lost)]
+    if lost:  # serving on the workers that started: /health says so
+        engine.status, engine.degraded = "degraded", f"lost {', '.join(lost)} while starting"
     return engine.start(), how
 
 

@@ -1,11 +1,12 @@
 """The life of a server from listening to exit, as /health and /metrics tell it.
 
 A server listens first and starts its engine behind it: ``starting`` until the engine runs, then
-``serving``; ``recovering`` while the engine re-plans onto the workers that survived a lost one;
+``serving``; ``recovering`` while the engine re-plans onto the workers that survived a lost one, then
+``degraded`` while it serves on them (fewer workers than it started with: 200, naming what was lost);
 ``draining`` after a shutdown signal (no new requests; those in flight finish within the grace period,
 then each remaining one ends with an error); ``error`` when the engine cannot go on (the server exits
-non-zero for its supervisor to restart it) or could not start. /health answers 200 only while serving,
-else 503 with the state, and never internal exception text.
+non-zero for its supervisor to restart it) or could not start. /health answers 200 while serving (``ok``,
+or ``degraded``), else 503 with the state, and never internal exception text.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from tessera.serve.engine import Engine
 
-STATES = ("starting", "serving", "recovering", "draining", "error", "stopped")
+STATES = ("starting", "serving", "recovering", "degraded", "draining", "error", "stopped")
 SHUTDOWN_MESSAGE = "the server is shutting down; retry on another replica or after it restarts"
 
 
@@ -61,7 +62,7 @@ class Lifecycle:
         if engine is not None and self._state in ("serving", "draining"):
             if engine.error is not None:
                 return "error"
-            if engine.status in ("recovering", "draining"):
+            if engine.status in ("recovering", "draining") or engine.status == "degraded" and self._state == "serving":
                 return engine.status
         return self._state
 
@@ -70,6 +71,8 @@ class Lifecycle:
         state = self.state
         if state == "serving":
             return 200, {"status": "ok"}
+        if state == "degraded":
+            return 200, {"status": "degraded", "detail": f"serving on the workers that survived: {self.engine.degraded}"}
         detail = {"starting": self.detail or "starting",
                   "recovering": "a worker was lost; re-planning onto the survivors",
                   "draining": "shutting down: finishing the requests in flight",

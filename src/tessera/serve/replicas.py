@@ -110,9 +110,15 @@ class ReplicatedEngine:
 
     @property
     def status(self) -> str:
-        """The worst replica's state: ``failed``, else ``recovering`` or ``draining``, else ``ready`` / ``stopped``."""
+        """The worst replica's state: ``failed``, else ``recovering``, ``draining`` or ``degraded``, else
+        ``ready`` / ``stopped``."""
         states = [e.status for e in self.engines]
-        return next((s for s in ("failed", "recovering", "draining", "ready") if s in states), states[0])
+        return next((s for s in ("failed", "recovering", "draining", "degraded", "ready") if s in states), states[0])
+
+    @property
+    def degraded(self) -> str:
+        """What the replicas serving on fewer workers lost."""
+        return "; ".join(e.degraded for e in self.engines if e.degraded)
 
     @property
     def on_fatal(self) -> Callable[[BaseException], None] | None:
