@@ -156,6 +156,14 @@ def test_replan_finishes_on_the_survivors_with_identical_output(fresh_pool, grap
     rec = runner.recoveries[0]
     assert rec.device == "cpu:1" and rec.survivors == ["cpu:0", "cpu:2"] and rec.replayed_steps >= 3
     assert runner.members == [0, 2] and max(max(p) for p in runner.placements.values()) == 1
+    # the lost worker started again: re-planned back onto all three, the same tokens and logits
+    back = runner.restore()
+    assert back is not None and back.device == "cpu:1" and back.survivors == ["cpu:0", "cpu:1", "cpu:2"]
+    assert runner.members == [0, 1, 2] and max(max(p) for p in runner.placements.values()) == 2
+    assert fresh_pool.processes[1].is_alive() and not fresh_pool.lost
+    tokens, logits = generate_batch(lambda phase, inputs: runner.step(phase, inputs)["logits"], PROMPTS, NEW)
+    assert tokens == want_tokens and all(torch.equal(g, w) for g, w in zip(logits, want_logits, strict=True))
+    assert runner.restore() is None  # nothing lost: nothing to do
 
 
 def test_a_worker_lost_while_starting_is_replanned_like_one_lost_in_a_step(fresh_pool, graphs, smollm2_reference):

@@ -304,3 +304,33 @@ def test_a_drain_finishes_what_it_can_then_ends_each_stream_with_an_error():
         server.close()
         engine.stop()
 
+
+
+def test_a_lost_worker_is_started_again_and_health_returns_to_ok():
+    """--on-failure respawn: a killed worker's request goes on on the survivor (re-planned), then the engine
+    starts the worker again between steps and re-plans back onto both; /health returns to ok."""
+    from tessera.serve.config import ServeConfig
+    from tessera.serve.launch import start_engine
+
+    engine, _ = start_engine(ServeConfig(MODEL, "cpu:2", slots=4, max_context=CONTEXT, placement="alternate",
+                                         threads=1, on_failure="respawn"), log=lambda s: None)
+    server = _Server(Lifecycle(engine))
+    try:
+        answer = httpx.post(f"{server.url}/v1/completions", json=ASK, timeout=60).json()["choices"][0]["text"]
+        runner = engine.backend.runner
+        assert runner.members == [0, 1]
+        runner.pool.kill(1)
+        runner.pool.processes[1].join(10)
+        r = httpx.post(f"{server.url}/v1/completions", json=ASK, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == answer  # served on the survivor
+        deadline = time.monotonic() + 120
+        while (h := httpx.get(f"{server.url}/health", timeout=5).json()) != {"status": "ok"}:
+            assert h["status"] in ("degraded", "recovering") and time.monotonic() < deadline, h
+            time.sleep(0.05)
+        assert runner.members == [0, 1] and runner.pool.processes[1].is_alive() and not runner.pool.lost
+        assert engine.stats.recoveries == 1 and engine.stats.restores == 1
+        _still_correct(server, answer)  # on both workers again, the same tokens
+        assert "tessera_restores_total 1" in httpx.get(f"{server.url}/metrics", timeout=5).text
+    finally:
+        server.close()
+        engine.stop()

@@ -50,8 +50,9 @@ def serve(
     batch_invariant: bool = typer.Option(_SERVE.batch_invariant, "--batch-invariant", help="GEMMs row by row, so a "
                                          "request's outputs do not depend on the requests batched with it (slower; "
                                          "off by default)."),
-    on_failure: str = typer.Option(_SERVE.on_failure, "--on-failure", help="replan | fail: after a lost worker, "
-                                   "re-plan onto the survivors and go on, or exit non-zero (for a supervisor)."),
+    on_failure: str = typer.Option(_SERVE.on_failure, "--on-failure", help="replan | respawn | fail: after a lost "
+                                   "worker, re-plan onto the survivors and go on; also start it again and re-plan "
+                                   "back onto every worker; or exit non-zero (for a supervisor)."),
     max_queue: int = typer.Option(_SERVE.max_queue, "--max-queue", help="Requests that may wait for a slot; beyond "
                                   "them a new request gets 429 with Retry-After (split between request-dist "
                                   "replicas)."),

@@ -23,7 +23,7 @@ from tessera.graph.ir import KernelGraph
 from tessera.kernels.sample import with_sampling_defaults
 from tessera.program.program import StepPrograms, build_programs
 from tessera.runtime.commands import Connect, GetState, Job, Load, Move, PhaseLoad, SetState, StateMove, Step
-from tessera.runtime.pool import WorkerFailed, WorkerLost, WorkerPool
+from tessera.runtime.pool import RuntimeSetupError, WorkerFailed, WorkerLost, WorkerPool
 
 # placements for n devices: phase -> kernel -> device index
 Replanner = Callable[[int], dict[str, list[int]]]
@@ -105,6 +105,7 @@ class DistributedRunner:
         self.last_moves: list[tuple[str, int, int, int, tuple[int, ...]]] = []
         self.made: dict[str, TransfersMade] = {}  # per phase: the transfers its steps made so far
         self._row_counts: dict[str, int] = {}
+        self.started_on = list(range(len(self.pool.devices)))  # every worker it was given (restore() brings lost ones back)
         self._start(placements)
 
     def _start(self, placements: dict[str, list[int]]) -> None:
@@ -401,6 +402,31 @@ class DistributedRunner:
                     continue
             kept.append(entry)
         self.history = kept
+
+    def restore(self) -> Recovery | None:
+        """Start the pool's lost workers again and re-plan onto every worker the runner started with, replaying
+        the history (the state of requests in flight is rebuilt); None when none is lost. A worker that does not
+        come back is left out (the runner goes on with the ones it has)."""
+        lost = sorted(set(self.started_on) - set(self.members))
+        if not lost:
+            return None
+        t0 = time.perf_counter()
+        back = []
+        for w in lost:
+            try:
+                self.pool.respawn(w)
+                back.append(w)
+            except (WorkerLost, RuntimeSetupError) as e:
+                self.log(f"tessera: {self.pool.devices[w]} could not be started again: {e}")
+        if not back:
+            return None
+        members = sorted(set(self.members) | set(back))
+        self.log(f"tessera: {', '.join(self.pool.devices[w] for w in back)} started again; re-planning onto "
+                 f"{len(members)} workers and replaying {len(self.history)} steps")
+        self._install(self.replan(len(members)), members)
+        self._replay(self.history)
+        return Recovery(", ".join(self.pool.devices[w] for w in back), "started again", 0.0,
+                        [self.pool.devices[w] for w in members], len(self.history), time.perf_counter() - t0)
 
     def rebuild(self) -> None:
         """Reconnect and reload the same workers and replay the history (after a step failed on a worker,

@@ -81,6 +81,7 @@ class WorkerPool:
         self.epoch = 0  # process groups formed so far
         self._arenas: dict[str, Any] = {}  # shared-memory output arenas of local workers, by name
         self.pending: dict[int, deque[str]] = {w: deque() for w in range(len(devices))}  # unanswered reply keys
+        self._spawn: tuple[list[str], float] | None = None  # local pools: (devices, transfer timeout) to respawn
 
     @classmethod
     def local(cls, workers: int, threads: int | None = None, devices: list[str] | None = None,
@@ -116,6 +117,7 @@ class WorkerPool:
             raise
         pool = cls(plane.store, [f"{d}:{w}" if d == "cpu" else d for w, d in enumerate(devices)], procs, threads,
                    pipes, plane)
+        pool._spawn = (list(devices), transfer_timeout_s)
         try:
             pool.ping_alive(allow_lost)
         except BaseException:
@@ -312,6 +314,33 @@ class WorkerPool:
                 else:
                     with contextlib.suppress(WorkerLost):
                         self._take(w, key)
+
+    def respawn(self, w: int) -> None:
+        """Start a new process for lost local worker ``w`` (same device, threads and coordination plane) and
+        wait until it answers; it holds nothing until a runner loads it.
+
+        Raises:
+            RuntimeSetupError: the pool's workers were not started here, or ``w`` is not lost.
+            WorkerLost: the new process did not answer either.
+        """
+        if self._spawn is None or self.processes is None or self.pipes is None:
+            raise RuntimeSetupError("only workers this pool started on this host can be started again")
+        if w not in self.lost:
+            raise RuntimeSetupError(f"worker {self.devices[w]} is not lost; only a lost worker is started again")
+        devices, transfer_timeout_s = self._spawn
+        cfg = WorkerConfig(w, LOOPBACK, 0, self.threads, devices[w], transfer_timeout_s, parent_pid=os.getpid(),
+                           shared_outputs=True, plane=self.plane.address)
+        mine, theirs = mp.get_context("spawn").Pipe(duplex=True)
+        p = mp.get_context("spawn").Process(target=worker_main, args=(cfg, None, theirs), daemon=True,
+                                            name=f"tessera-worker-{w}")
+        p.start()
+        theirs.close()
+        with contextlib.suppress(OSError):
+            self.pipes[w].close()
+        self.processes[w], self.pipes[w] = p, mine
+        self.pending[w].clear()
+        self.lost.discard(w)
+        self.call({w: Ping()}, START_TIMEOUT_S)
 
     def kill(self, w: int) -> None:
         """Kill worker ``w``'s process (fault tests)."""

@@ -112,6 +112,8 @@ class StepBackend(Protocol):
 
     def watch(self, watcher: Watcher) -> None: ...
 
+    def restore(self) -> str | None: ...
+
     def busy_s(self) -> dict[str, float]: ...
 
     def close(self) -> None: ...
@@ -149,6 +151,10 @@ class LocalBackend:
 
     def reset(self) -> None:
         """Nothing to reset: a failed step leaves no transfers behind."""
+
+    def restore(self) -> str | None:
+        """Nothing to restore: no worker can be lost."""
+        return None
 
     def watch(self, watcher: Watcher) -> None:
         """Nothing to watch: no worker can be lost."""
@@ -202,6 +208,20 @@ class WorkerBackend:
         self.runner.on_recovered = lambda r: watcher(
             "recovered", f"lost {r.device} ({r.how}); re-planned onto {', '.join(r.survivors)}, replayed "
                          f"{r.replayed_steps} steps in {r.seconds:.2f} s")
+
+    def restore(self) -> str | None:
+        """Start lost workers again and re-plan back onto all of them (the state of requests in flight is
+        rebuilt); what happened, or None when no worker came back."""
+        from tessera.runtime.pool import WorkerLost
+
+        try:
+            back = self.runner.restore()
+        except WorkerLost as lost:  # a worker lost while re-planning: the next step re-plans onto the survivors
+            return f"restoring failed: {lost}"
+        if back is None:
+            return None
+        return (f"{back.device} started again; re-planned onto {', '.join(back.survivors)}, replayed "
+                f"{back.replayed_steps} steps in {back.seconds:.2f} s")
 
     def busy_s(self) -> dict[str, float]:
         return dict(self._busy)

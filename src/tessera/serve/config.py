@@ -72,7 +72,9 @@ class ServeConfig:
     cooldown_s: float = 1.0
     local: bool = False  # run every step in this process (the single-process reference)
     batch_invariant: bool = False  # GEMMs row by row: a request's outputs do not depend on the batch it is in
-    on_failure: str = "replan"  # a lost worker: re-plan onto the survivors and go on, or fail (exit non-zero)
+    # a lost worker: re-plan onto the survivors and go on (replan), then also start it again and re-plan back
+    # onto every worker (respawn), or exit non-zero (fail)
+    on_failure: str = "replan"
     max_queue: int | None = 256  # requests waiting for a slot beyond which new ones get 429 (None: no bound)
     queue_timeout_s: float | None = None  # a request without a slot after this long fails with 503 (None: never)
 
@@ -110,8 +112,8 @@ class ServeConfig:
             REQUESTS.check(self.max_queue, "--max-queue")
         if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
             raise ServeOptionError(f"--queue-timeout must be a positive number of seconds (got {self.queue_timeout_s})")
-        if self.on_failure not in ("replan", "fail"):
-            raise ServeOptionError(f"--on-failure must be replan or fail (got {self.on_failure!r})")
+        if self.on_failure not in ("replan", "respawn", "fail"):
+            raise ServeOptionError(f"--on-failure must be replan, respawn or fail (got {self.on_failure!r})")
         check_policy(self.policy)
         if self.latency_policy is not None:
             check_policy(self.latency_policy)

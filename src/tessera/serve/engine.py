@@ -98,6 +98,7 @@ class Generation:
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+RESTORE_RETRY_S = 10.0  # a lost worker that could not be started again is tried again after this long
 
 
 @dataclass
@@ -132,6 +133,7 @@ class EngineStats:
     failed: int = 0  # requests ended by a server-side failure (failed step, lost backend, shutdown)
     failed_steps: int = 0
     recoveries: int = 0  # lost workers re-planned onto the survivors
+    restores: int = 0  # lost workers started again and re-planned back onto (--on-failure respawn)
     refused: int = 0  # requests refused with 429: the queue was full (--max-queue)
     expired: int = 0  # requests failed with 503: no slot within the queue's deadline (--queue-timeout)
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))  # seconds to a request's first token
@@ -147,7 +149,7 @@ class Engine:
                  buckets: Buckets, max_context: int, monitor: Monitor | None = None,
                  log: Callable[[str], None] | None = None, clock: Callable[[], float] = time.perf_counter,
                  latency_rows: int | None = None, max_queued: int | None = None,
-                 queue_timeout_s: float | None = None):
+                 queue_timeout_s: float | None = None, respawn: bool = False):
         self.backend = backend
         self.placements = placements
         self.tokenizer = tokenizer
@@ -160,6 +162,8 @@ class Engine:
         self.monitor = monitor or Monitor(enabled=False)
         self.max_queued = max_queued  # requests waiting for a slot beyond which submit refuses (None: no bound)
         self.queue_timeout_s = queue_timeout_s  # how long a request may wait for its first slot (None: forever)
+        self.respawn = respawn  # start lost workers again and re-plan back onto all of them, between steps
+        self._restore_at = 0.0  # the next try (a failed one waits RESTORE_RETRY_S)
         self.log = log or (lambda text: print(text, file=sys.stderr))
         self.clock = clock
         self.stats = EngineStats()
@@ -289,6 +293,8 @@ class Engine:
                 if self._abort is not None:
                     self._abort_all(self._abort)
                 now = self.clock()
+                if self.respawn and self.status == "degraded" and now >= self._restore_at:
+                    self._restore(now)
                 if self.monitor.due(now):
                     self._close_window(now)
                 step = self.scheduler.next_step(now, max_rows=self.rows[self.monitor.objective])
@@ -339,6 +345,21 @@ class Engine:
             self._fail(gen, QueueTimeout(f"the request waited {now - gen.sched.arrival_s:.1f} s for a slot, past "
                                          f"the queue's deadline (--queue-timeout {self.queue_timeout_s:g} s): the "
                                          "server is overloaded; retry later"), now)
+
+    def _restore(self, now: float) -> None:
+        """Start the lost workers again and re-plan back onto all of them (requests in flight wait)."""
+        restore = getattr(self.backend, "restore", None)
+        self.status = "recovering"
+        detail = restore() if restore is not None else None
+        if detail is not None and not detail.startswith("restoring failed"):
+            self.status, self.degraded = ("ready" if self._admitting else "draining"), ""
+            self.stats.restores += 1
+            self.log(f"restored: {detail}")
+        else:
+            self.status = "degraded" if self._admitting else "draining"
+            self._restore_at = now + RESTORE_RETRY_S
+            self.log(f"could not restore the lost workers ({detail or 'none came back'}); trying again in "
+                     f"{RESTORE_RETRY_S:g} s")
 
     def _close_window(self, now: float) -> None:
         switch = self.monitor.close_window(now, list(self.scheduler.waiting), list(self.scheduler.running),

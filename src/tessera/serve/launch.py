@@ -136,13 +136,13 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
         assignments, how = plan_assignments(cfg, workers, threads, log)
         placements = objective_placements(graphs, assignments)
         log(f"starting {workers} workers ({threads} thread{'s' if threads != 1 else ''} each)")
-        replan = cfg.on_failure == "replan"
+        replan = cfg.on_failure in ("replan", "respawn")
         pool = WorkerPool.local(workers, threads, allow_lost=replan)
         try:
             phases = {name: graphs[name.split(":")[0]] for name in placements.placements}
             runner = DistributedRunner(pool, phases, placements.placements, weights_path=files, log=log,
                                        batch_invariant=cfg.batch_invariant,
-                                       on_failure=cfg.on_failure,
+                                       on_failure="replan" if replan else "fail",
                                        replan=replanner(cfg, threads, list(placements.placements), log))
         except BaseException:
             pool.close()
@@ -153,7 +153,8 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
     monitor = Monitor(cfg.beta, cfg.window_s, cfg.cooldown_s,
                       enabled=placements.differ or cfg.latency_rows < cfg.slots)
     engine = Engine(backend, placements, tokenizer, cfg.slots, buckets, cfg.max_context, monitor, log,
-                    latency_rows=cfg.latency_rows, max_queued=cfg.max_queue, queue_timeout_s=cfg.queue_timeout_s)
+                    latency_rows=cfg.latency_rows, max_queued=cfg.max_queue, queue_timeout_s=cfg.queue_timeout_s,
+                    respawn=cfg.on_failure == "respawn")
     lost = [] if cfg.local else [pool.devices[w] for w in sorted(pool.lost)]
     if lost:  # serving on the workers that started: /health says so
         engine.status, engine.degraded = "degraded", f"lost {', '.join(lost)} while starting"

@@ -75,6 +75,8 @@ class PrometheusMetrics:
                 "the others went on).", [("", stats.failed_steps)])
         metric(lines, "tessera_recoveries_total", "counter", "Lost workers re-planned onto the survivors while "
                 "serving.", [("", stats.recoveries)])
+        metric(lines, "tessera_restores_total", "counter", "Lost workers started again and re-planned back onto "
+               "(--on-failure respawn).", [("", stats.restores)])
         metric(lines, "tessera_refused_requests_total", "counter", "Requests refused with 429 because the queue "
                "was full (--max-queue).", [("", stats.refused)])
         metric(lines, "tessera_expired_requests_total", "counter", "Requests failed with 503 because no slot came "

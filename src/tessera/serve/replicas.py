@@ -185,6 +185,7 @@ class ReplicatedEngine:
             out.failed += s.failed
             out.failed_steps += s.failed_steps
             out.recoveries += s.recoveries
+            out.restores += s.restores
             out.refused += s.refused
             out.expired += s.expired
             for mine, theirs in ((out.ttft, s.ttft), (out.tpot, s.tpot)):
