@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +145,17 @@ def _error_text(status: int, body: bytes) -> str:
     return f"HTTP {status}: {message}"
 
 
+async def sse_objects(response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of an OpenAI event stream (an httpx streaming response), up to ``[DONE]``."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def _one(client, url: str, model: str, p: Planned, start: float, outcome: Outcome) -> None:
     delay = start + p.arrival_s - time.perf_counter()
     if delay > 0:
@@ -159,13 +170,7 @@ async def _one(client, url: str, model: str, p: Planned, start: float, outcome: 
             if r.status_code != 200:
                 outcome.error = _error_text(r.status_code, await r.aread())
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
+            async for obj in sse_objects(r):
                 if "error" in obj:
                     outcome.error = f"stream error: {obj['error'].get('message', obj['error'])}"
                     return

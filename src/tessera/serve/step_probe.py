@@ -19,7 +19,6 @@ request generates exactly its ``max_tokens`` (``ignore_eos``, a vLLM sampling op
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 import statistics
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 
 from tessera.cost.engine_steps import EngineStepTimes
 from tessera.errors import TesseraError
+from tessera.serve.bench import sse_objects
 
 DEFAULT_PROMPTS = (1, 16, 64, 128, 256, 512, 1024)
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -68,13 +68,7 @@ async def _stream(client, url: str, model: str, prompt: list[int], max_tokens: i
             body = (await r.aread()).decode("utf-8", "replace")[:300]
             raise StepProbeError(f"{url}/v1/completions answered HTTP {r.status_code}: {body}; measure a vLLM "
                                  "OpenAI server (it takes token-id prompts and ignore_eos)")
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            obj = json.loads(data)
+        async for obj in sse_objects(r):
             if "error" in obj:
                 raise StepProbeError(f"the engine ended a probe with an error: {obj['error']}")
             tokens = (obj.get("usage") or {}).get("completion_tokens")
