@@ -37,6 +37,8 @@ import numpy as np
 
 from tessera.plan.deployment import DeploymentPlan, lanes
 
+RATE_SLACK = 1e-6  # relative: what the LP's tolerances may add to a rate bound it was given
+
 
 @dataclass
 class Route:
@@ -196,6 +198,8 @@ def best_mix(plans: list[DeploymentPlan], outputs_per_request: float, prices: di
         if joined is not None:  # one engine: a finite workload that fills it fills both routes
             forms.append((joined, None, True))
         for routes_, count, shared in forms:
+            if sum(r.max_rate for r in routes_) * (1 + RATE_SLACK) < best_rate:
+                continue  # each route runs at most its rate alone: this pair cannot beat the best so far
             rates = best_rates(routes_, count)
             total = float(rates.sum())
             alone = max(r.max_rate for r in routes_)
