@@ -8,7 +8,13 @@ import pytest
 
 from tessera.plan.admission import MemoryShape, admit
 from tessera.plan.config import AdmissionConfig
-from tessera.plan.pipeline_search import admitted_counts, best_pipelines, fixed_scorer, pipelines
+from tessera.plan.pipeline_search import (
+    admitted_counts,
+    best_pipelines,
+    fixed_scorer,
+    layer_devices,
+    pipelines,
+)
 from tessera.plan.problem import MemorySpec, PlacementProblem
 from tessera.plan.symmetry import canonical, device_classes
 
@@ -43,7 +49,7 @@ def test_the_bounded_search_keeps_what_scoring_every_candidate_keeps(seed, objec
     p = chain(seed)
     candidates = list(pipelines(p.kernels, 4))
     scorer = fixed_scorer(p, 64.0, 16, objective)
-    got = best_pipelines(candidates, p.kernels, scorer)
+    got = best_pipelines(candidates, layer_devices(candidates, p.kernels), scorer)
     want = exhaustive(candidates, p.kernels, scorer)
     assert [(s, a, tuple(o), list(c)) for s, a, o, c in got] == [(s, a, tuple(o), list(c)) for s, a, o, c in want]
 
@@ -57,7 +63,7 @@ def test_identical_devices_are_one_class_and_orders_among_them_score_alike():
     firsts = list(pipelines(p.kernels, 4, device_classes(p)))
     assert len(firsts) < len(every) / 4 and all(canonical(o, [0] * 4) for o, _ in firsts)
     # the best of one order per class is the best of all orders
-    assert best_pipelines(firsts, p.kernels, scorer, 1)[0][0] == exhaustive(every, p.kernels, scorer, 1)[0][0]
+    assert best_pipelines(firsts, layer_devices(firsts, p.kernels), scorer, 1)[0][0] == exhaustive(every, p.kernels, scorer, 1)[0][0]
 
 
 def test_admitted_counts_are_admits():
@@ -81,6 +87,13 @@ def test_the_bounded_search_with_admission_keeps_what_scoring_every_candidate_ke
     candidates = list(pipelines(big.kernels, 4))
     scorer = admitted_scorer(big, small, 64, 32, 2, 64.0, np.full(4, 3e9), 1e8, 100.0, list(big.devices),
                              AdmissionConfig())
-    got = best_pipelines(candidates, big.kernels, scorer)
+    got = best_pipelines(candidates, layer_devices(candidates, big.kernels), scorer)
     want = exhaustive(candidates, big.kernels, scorer)
     assert got and [(s, a) for s, a, *_ in got] == [(s, a) for s, a, *_ in want]
+
+
+def test_layer_devices_put_each_layer_on_its_stage():
+    from tessera.plan.pipeline_search import layer_devices
+
+    got = layer_devices([((2, 0), [3]), ((1, 3, 0), [1, 4]), ((0, 1), [5])], 6)
+    assert got.tolist() == [[2, 2, 2, 0, 0, 0], [1, 3, 3, 3, 0, 0], [0, 0, 0, 0, 0, 1]]

@@ -278,8 +278,8 @@ def _expert_splits(ctx: PlanContext, features, singles: list[Target], routing) -
 
 def upper_bound(ctx: PlanContext) -> ThroughputBound:
     """The case's upper bound on throughput (computed once per context; graphs and problems cached in it)."""
-    if ctx.cache.bound is not None:
-        return ctx.cache.bound
+    if ctx.batch in ctx.cache.bounds:
+        return ctx.cache.bounds[ctx.batch]
     t0 = time.perf_counter()
     names, counts, singles = single_targets(ctx)
     batch, why, memory = admissible_batch(ctx)
@@ -307,7 +307,7 @@ def upper_bound(ctx: PlanContext) -> ThroughputBound:
         seconds=time.perf_counter() - t0, memory=memory,
         link_types=tuple(n for n, v in zip(names, lp.link_s, strict=True) if t_req > 0 and v >= t_req * (1 - 1e-6)),
         link_share={n: float(v) / t_req for n, v in zip(names, lp.link_s, strict=True) if t_req > 0 and v > 0})
-    ctx.cache.bound = bound
+    ctx.cache.bounds[ctx.batch] = bound
     return bound
 
 

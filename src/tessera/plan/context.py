@@ -112,7 +112,7 @@ class PlanCache:
     folded: dict[tuple, Merged] = field(default_factory=dict)  # the same keys, folded
     solved: dict[tuple, tuple[tuple[int, ...], dict]] = field(default_factory=dict)  # folded solves' answers
     over_prompts: dict[tuple, tuple] = field(default_factory=dict)  # prompt phases costed over prompt lengths
-    bound: Any = None  # the case's ThroughputBound, once computed (tessera.plan.bound.upper_bound)
+    bounds: dict[int, Any] = field(default_factory=dict)  # the case's ThroughputBound by batch (plan.bound)
     step_timers: dict[tuple, Any] = field(default_factory=dict)  # the simulator's step timers by engine
 
 
@@ -167,7 +167,9 @@ def workload_phases(family: str, workload: Workload, max_batch: int | None) -> t
 
 @dataclass
 class PlanContext:
-    """One planning run: model, cluster, workload, cost options and caches of graphs and step problems."""
+    """One planning run: model, cluster, workload and every setting of the request (the fields), its batch
+    mode (`mode`, decided once from the settings) and its memo (`cache`, shared with the contexts
+    `for_batch` splits off, which differ only in the batch)."""
 
     model: str
     cluster: Cluster

@@ -50,9 +50,14 @@ def pipelines(layers: int, devices: int, classes: list[int] | None = None) -> It
 def layer_devices(candidates: list[tuple[tuple[int, ...], list[int]]], layers: int) -> np.ndarray:
     """[N, layers]: each candidate's device of every layer."""
     out = np.zeros((len(candidates), layers), dtype=int)
-    for i, (order, cuts) in enumerate(candidates):
-        stage_of = np.searchsorted(np.array(cuts), np.arange(layers), side="right")
-        out[i] = np.asarray(order)[stage_of]
+    by_stages: dict[int, list[int]] = {}
+    for i, (order, _) in enumerate(candidates):
+        by_stages.setdefault(len(order), []).append(i)
+    for rows in by_stages.values():  # a layer's stage: how many cuts lie at or before it
+        cuts = np.array([candidates[i][1] for i in rows], dtype=int).reshape(len(rows), -1)
+        orders = np.array([candidates[i][0] for i in rows], dtype=int)
+        stage_of = (cuts[:, None, :] <= np.arange(layers)[None, :, None]).sum(axis=2)
+        out[rows] = np.take_along_axis(orders, stage_of, axis=1)
     return out
 
 
@@ -123,13 +128,13 @@ def admitted_counts(fixed: np.ndarray, per_seq: np.ndarray, usable: np.ndarray, 
     return np.where(n >= 1, (n // step) * step, 0)
 
 
-def best_pipelines(candidates: list[tuple[tuple[int, ...], list[int]]], layers: int, scorer: Scorer,
+def best_pipelines(candidates: list[tuple[tuple[int, ...], list[int]]], devices: np.ndarray, scorer: Scorer,
                    keep: int = 3) -> list[tuple[float, tuple[int, ...], tuple[int, ...], list[int]]]:
-    """The ``keep`` best (score, per-layer devices, order, cuts) of ``candidates``, best first (ties: the
-    earlier candidate), as scoring every candidate would find them."""
+    """The ``keep`` best (score, per-layer devices, order, cuts) of ``candidates`` (their
+    :func:`layer_devices` ``devices``), best first (ties: the earlier candidate), as scoring every candidate
+    would find them."""
     if not candidates:
         return []
-    devices = layer_devices(candidates, layers)
     bounds = np.concatenate([scorer.bounds(devices[i:i + CHUNK]) for i in range(0, len(devices), CHUNK)])
     top: list[tuple[float, int]] = []
     for i in np.lexsort((np.arange(len(candidates)), bounds)):

@@ -35,7 +35,14 @@ from tessera.plan.deployment import DeploymentPlan
 from tessera.plan.fold import layer_groups, merge
 from tessera.plan.milp import SolverError, solve_placement
 from tessera.plan.mixes import best_mix
-from tessera.plan.pipeline_search import Scorer, admitted_scorer, best_pipelines, fixed_scorer, pipelines
+from tessera.plan.pipeline_search import (
+    Scorer,
+    admitted_scorer,
+    best_pipelines,
+    fixed_scorer,
+    layer_devices,
+    pipelines,
+)
 from tessera.plan.problem import PlacementProblem
 from tessera.plan.step_evaluation import evaluate
 from tessera.plan.symmetry import canonical, device_classes
@@ -429,6 +436,7 @@ def _phase_chain(ctx: PlanContext, targets, m: int, objective: str, blocks: tupl
 def layer_pipeline(outer: PlanContext, objective: str) -> DeploymentPlan:
     """Contiguous layers per target in a device order; every split point and order searched exhaustively."""
     best = None
+    searched: dict[tuple, tuple[list, np.ndarray]] = {}
     for r in outer.replica_counts():
         ctx = _replica(outer, r)
         main = ctx.main_phase
@@ -443,9 +451,12 @@ def layer_pipeline(outer: PlanContext, objective: str) -> DeploymentPlan:
             layers = sorted(structure.spans)
             classes = device_classes(sp.problem, *(ctx.step_problem(ph, targets).problem for ph in ctx.phases
                                                    if ph is not main))
-            candidates = list(pipelines(len(layers), len(targets), classes))
-            for _, a, order, cuts in best_pipelines(candidates, len(layers),
-                                                    _pipeline_scorer(ctx, targets, m, merged, objective)):
+            key = (len(layers), len(targets), tuple(classes))
+            if key not in searched:  # the same candidates at every M
+                candidates = list(pipelines(len(layers), len(targets), classes))
+                searched[key] = candidates, layer_devices(candidates, len(layers))
+            for _, a, order, cuts in best_pipelines(*searched[key], _pipeline_scorer(ctx, targets, m, merged,
+                                                                                     objective)):
                 layer_device = dict(zip(layers, a, strict=True))
                 chosen = [(ph, m if ph is main else 1, _by_layer(ctx, ph, targets, m if ph is main else 1,
                                                                    layer_device, order),
