@@ -28,13 +28,12 @@ def main() -> None:
     ctx = PlanContext(args.model, parse_cluster(args.cluster), parse_workload(args.workload), args.workload)
     ub = bound.upper_bound(ctx)
     names, counts, singles = bound.single_targets(ctx)
-    cache: dict = {}
-    others = [[bound.phase_costs(ctx, ph, singles, counts, names, cache)] for ph in ctx.phases if ph is not ctx.main_phase]
+    others = [[bound.phase_costs(ctx, ph, singles, counts, names)] for ph in ctx.phases if ph is not ctx.main_phase]
     links = bound.outbound_bandwidth(ctx, names)
     worst, over = (0.0, 0), []
     for b in range(1, ub.batch + 1):
         child = ctx.for_batch(b)
-        mode = bound.phase_costs(child, child.main_phase, singles, counts, names, cache)
+        mode = bound.phase_costs(child, child.main_phase, singles, counts, names)
         t = bound.fractional_request_time([*others, [mode]], counts, links).request_time_s
         share = ctx.outputs_per_request / t / ub.throughput
         worst = max(worst, (share, b))

@@ -196,3 +196,37 @@ def test_milp_places_parts_where_they_run_fast_when_memory_forbids_one_device():
         assert best.value == pytest.approx(solve_by_enumeration(split, objective).value, rel=1e-6)
         a = best.assignment
         assert (a[mapping.index_of(1, 0)], a[mapping.index_of(1, 1)]) == (0, 1)
+
+
+def _same_problem(a: PlacementProblem, b: PlacementProblem) -> None:
+    assert np.array_equal(a.times, b.times) and a.edges == b.edges and a.messages == b.messages
+    assert a.loop_edges == b.loop_edges and a.pinned == b.pinned and list(a.pinned) == list(b.pinned)
+    assert a.together == b.together and a.devices == b.devices
+    assert np.array_equal(a.memory.item_bytes, b.memory.item_bytes) and a.memory.reads == b.memory.reads
+    assert a.memory.item_names == b.memory.item_names and np.array_equal(a.memory.capacity, b.memory.capacity)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_splitting_every_kernel_at_once_is_splitting_them_one_by_one(seed):
+    from tessera.plan.experts import KernelSplit, split_kernels
+
+    rng = np.random.default_rng(seed)
+    k, d = 12, 3
+    edges = sorted({(int(s), int(t)) for s, t in rng.integers(0, k, (30, 2)) if s < t})
+    reads = sorted({(int(i), int(w)) for i, w in zip(rng.integers(0, k, 25), rng.integers(0, 10, 25), strict=True)})
+    p = PlacementProblem(["a", "b", "c"], rng.uniform(1, 2, (k, d)), [(s, t, float(rng.uniform(0, 9))) for s, t in edges],
+                         np.full((d, d), 10.0), np.full((d, d), 0.1), {int(rng.integers(0, k)): 1},
+                         [(1, 5), (2, 9)], 2, [float(x) for x in rng.integers(1, 3, len(edges))],
+                         MemorySpec(rng.uniform(1, 5, 10), reads, np.full(d, 100.0)),
+                         [(int(rng.integers(0, k)), int(rng.integers(0, k)), 3.0, 2.0) for _ in range(3)])
+    splits = [KernelSplit(int(i), rng.uniform(0.1, 1, (int(n), d)), rng.uniform(0.1, 1, d), rng.uniform(0, 1, int(n)),
+                          rng.uniform(0, 5, int(n)), None if n == 3 else np.full(int(n), 1 / n))
+              for i, n in zip(sorted(rng.choice(k, 4, replace=False)), rng.integers(2, 4, 4), strict=True)]
+    one_by_one, mapping = p, None
+    for s in reversed(splits):
+        one_by_one, step = split_kernel(one_by_one, s.kernel, s.part_times, s.combine_times, s.in_bytes_per_part,
+                                        s.out_bytes_per_part, s.weight_shares)
+        mapping = step if mapping is None else mapping.then(step)
+    at_once, together = split_kernels(p, splits)
+    _same_problem(at_once, one_by_one)
+    assert together == mapping

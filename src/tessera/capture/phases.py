@@ -24,6 +24,8 @@ from tessera.errors import PhaseError, ShapeError
 from tessera.limits import BATCH_ROWS, TOKENS
 
 MAX_HOST_BUILD_BYTES = 4 * 2**30  # random-init builds on a real device beyond this are refused
+META_BUILDS_KEPT = 2  # models built on meta kept for the next trace (a planner traces one model many times)
+_meta_builds: dict[tuple, tuple] = {}
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,19 @@ def _family_step(spec: ModelSpec, modules, constant_values, phase: str, shape: S
     return diffusion_step(modules, constant_values, resolution=shape.resolution, **common)
 
 
+def _modules(spec: ModelSpec, device: str, config, graph: str):
+    """``build_modules``, reusing the last builds on meta of the same model, config and graph kind (a meta
+    build holds no values a trace changes: tracing it again at another shape gives that shape's graph)."""
+    if device != "meta" or spec.family == "diffusion":
+        return build_modules(spec, device, config=config, graph=graph)
+    key = (spec.name, graph, config.to_json_string(use_diff=False))
+    if key not in _meta_builds:
+        if len(_meta_builds) >= META_BUILDS_KEPT:
+            _meta_builds.pop(next(iter(_meta_builds)))
+        _meta_builds[key] = build_modules(spec, device, config=config, graph=graph)
+    return _meta_builds[key]
+
+
 def make_step(model: str, phase: str, *, batch: int | None = None, seq: int | None = None,
               ctx: int | None = None, image: tuple[int, int] | None = None,
               resolution: tuple[int, int] | None = None, device: str = "meta", slots: int | None = None,
@@ -171,8 +186,7 @@ def make_step(model: str, phase: str, *, batch: int | None = None, seq: int | No
                if spec.family == "diffusion" else config)
     check_trace_budget(spec.name, estimate_trace(spec.family, configs, phase, shape, graph), device)
     try:
-        modules, values = build_modules(spec, device, config=None if spec.family == "diffusion" else config,
-                                        graph=graph)
+        modules, values = _modules(spec, device, None if spec.family == "diffusion" else config, graph)
     except (MemoryError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and "allocate" not in str(e):
             raise

@@ -78,6 +78,14 @@ class Ranges:
         both sets' boundaries."""
         if not self.spans or not other.spans:
             return Ranges() if keep_other else self
+        if len(self.spans) == 1 and len(other.spans) == 1:  # two intervals (most views): no arrays
+            (a0, a1), (b0, b1) = self.spans[0], other.spans[0]
+            if keep_other:
+                return Ranges(((max(a0, b0), min(a1, b1)),)) if min(a1, b1) > max(a0, b0) else Ranges()
+            return Ranges(tuple(p for p in ((a0, min(a1, b0)), (max(a0, b1), a1)) if p[1] > p[0]))
+        return self._sweep(other, keep_other)
+
+    def _sweep(self, other: Ranges, keep_other: bool) -> Ranges:
         a = np.asarray(self.spans, dtype=np.int64)
         b = np.asarray(other.spans, dtype=np.int64)
         points = np.concatenate([a.ravel(), b.ravel()])

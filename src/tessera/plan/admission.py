@@ -21,6 +21,7 @@ import numpy as np
 
 from tessera.plan.config import AdmissionConfig
 from tessera.plan.deployment import EngineAdmission
+from tessera.plan.targets import usable_memory
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def admit(shape: MemoryShape, config: AdmissionConfig, cap: int, micro_batches: 
           cap_reason: str = "") -> EngineAdmission:
     """The sequences one engine of this memory shape admits (at most ``cap``; ``cap_reason`` says what set
     the cap), the cache tokens its free memory holds and what limits it. ``max_seqs`` 0 means no fit."""
-    usable = shape.capacity * config.memory_utilization
+    usable = usable_memory(shape.capacity, config.memory_utilization)
     free = usable - shape.fixed
     holding = shape.per_sequence > 0
     limited_by = cap_reason or f"--max-num-seqs {config.max_num_seqs}"

@@ -64,15 +64,13 @@ from typing import Any
 import highspy
 import numpy as np
 
-from tessera.cost.features import FeatureExtractor, is_kv_buffer
+from tessera.cost.features import is_kv_buffer
 from tessera.errors import TesseraError
-from tessera.graph.dataflow import data_edges
 from tessera.hardware.cluster import SAME_DEVICE
-from tessera.plan.build import activation_peak, memory_items, target_times
+from tessera.plan.build import activation_peak, memory_items
 from tessera.plan.context import PhaseSpec, PlanContext
-from tessera.plan.groups import default_routing
 from tessera.plan.problem import MICRO_BATCHES
-from tessera.plan.targets import MEMORY_USABLE, Target, cluster_targets
+from tessera.plan.targets import Target, cluster_targets, usable_memory
 from tessera.workload import FixedWorkload, OfflineWorkload
 
 NO_HEADROOM = 0.01  # a bound within 1% of the best baseline leaves no headroom to share
@@ -157,8 +155,8 @@ def admissible_batch(ctx: PlanContext) -> tuple[int, str, dict[str, float]]:
     """The most rows one engine's repeated-phase step can serve (B), what sets it, and the memory
     arithmetic behind it (bytes)."""
     _, counts, singles = single_targets(ctx)
-    util = max(ctx.admission.memory_utilization, MEMORY_USABLE)
-    capacity = sum(t.spec.memory_bytes * n for t, n in zip(singles, counts, strict=True)) * util
+    capacity = usable_memory(sum(t.device_bytes * n for t, n in zip(singles, counts, strict=True)),
+                             ctx.admission.memory_utilization)
     weights: dict[str, float] = {}
     for ph in ctx.phases:
         graph = ctx.graph(ph)
@@ -175,7 +173,7 @@ def admissible_batch(ctx: PlanContext) -> tuple[int, str, dict[str, float]]:
     memory = {"capacity": capacity, "weights": sum(weights.values()), "activations": activations,
               "state_per_sequence": state, "free": free}
     limits: list[tuple[int, str]] = []
-    if ctx.max_batch is not None or not ctx.admits:  # a fixed batch (diffusion's images, runtime plans)
+    if not ctx.admits:  # a fixed batch (diffusion's images, --max-batch, runtime plans)
         limits.append((ctx.batch, "fixed batch"))
     else:
         limits.append((ctx.admission.max_num_seqs, "max_num_seqs"))
@@ -220,21 +218,8 @@ class FractionalSolution:
     link_s: np.ndarray | None = None  # [D] seconds per request of each type's outbound links (transfers charged)
 
 
-def _target_times(ctx: PlanContext, phase: PhaseSpec, graph, features, routing, target: Target,
-                  cache: dict) -> np.ndarray:
-    """[K] seconds of each kernel on ``target``: the planner's cached step problem's when it has one."""
-    key = (phase, 1, (target.members,), 1)
-    sp = ctx._problems.get(key)
-    if sp is not None:
-        return sp.problem.times[:, 0]
-    ckey = (graph.hash, target.members)
-    if ckey not in cache:
-        cache[ckey] = target_times(graph, features, target, ctx.options, ctx.profile, routing)
-    return cache[ckey]
-
-
-def phase_costs(ctx: PlanContext, phase: PhaseSpec, singles: list[Target], counts: list[int], names: list[str],
-                cache: dict | None = None) -> PhaseCosts:
+def phase_costs(ctx: PlanContext, phase: PhaseSpec, singles: list[Target], counts: list[int],
+                names: list[str]) -> PhaseCosts:
     """A phase's kernel costs on one GPU of each type of :func:`single_targets` (a group's GPU-seconds where
     they are smaller), and the parts of its expert GEMMs when Tessera may split them (``cache``: kernel
     times by graph and target, shared between calls). A prompt phase costs the mean over the workload's
@@ -242,38 +227,35 @@ def phase_costs(ctx: PlanContext, phase: PhaseSpec, singles: list[Target], count
     mean prompt's, which is cheaper, so the bound stays above the plans)."""
     lengths = ctx.prompt_lengths if phase.phase == "prefill" and phase.seq is not None else []
     if lengths:
-        each = [_phase_costs(ctx, replace(phase, seq=n, ctx=n), singles, counts, names, cache) for n in lengths]
+        each = [_phase_costs(ctx, replace(phase, seq=n, ctx=n), singles, counts, names) for n in lengths]
         if all(c.whole.shape == each[0].whole.shape and c.split.keys() == each[0].split.keys() for c in each):
             same = all(c.edges.shape == each[0].edges.shape and (c.edges[:, :2] == each[0].edges[:, :2]).all()
                        for c in each)
             edges = np.mean([c.edges for c in each], axis=0) if same else np.zeros((0, 3))
             return PhaseCosts(phase.phase, phase.batch, each[0].weight, np.mean([c.whole for c in each], axis=0),
                               {k: np.mean([c.split[k] for c in each], axis=0) for k in each[0].split}, edges)
-    return _phase_costs(ctx, phase, singles, counts, names, cache)
+    return _phase_costs(ctx, phase, singles, counts, names)
 
 
-def _phase_costs(ctx: PlanContext, phase: PhaseSpec, singles: list[Target], counts: list[int], names: list[str],
-                 cache: dict | None = None) -> PhaseCosts:
-    cache = {} if cache is None else cache
-    graph = ctx.graph(phase)
+def _phase_costs(ctx: PlanContext, phase: PhaseSpec, singles: list[Target], counts: list[int],
+                 names: list[str]) -> PhaseCosts:
     key = (phase, 1, tuple(t.members for t in singles), 1)
-    sp = ctx._problems.get(key)
-    features = sp.features if sp is not None else FeatureExtractor(graph, ctx.options).all()
-    routing = default_routing(graph, ctx.routing_skew)
+    sp = ctx.cache.problems.get(key)
+    facts = ctx.graph_facts(phase)
+    features, routing = facts.features, facts.routing
     if sp is not None:
         whole = sp.problem.times.copy()
     else:
-        whole = np.stack([_target_times(ctx, phase, graph, features, routing, t, cache) for t in singles], axis=1)
+        whole = np.stack([ctx.kernel_times(phase, t) for t in singles], axis=1)
     for d, (name, n) in enumerate(zip(names, counts, strict=True)):
         for s in range(2, n + 1):
             if n % s == 0:
                 group = cluster_targets(ctx.cluster, n // s, [name])[0]
-                whole[:, d] = np.minimum(whole[:, d], s * _target_times(ctx, phase, graph, features, routing,
-                                                                         group, cache))
+                whole[:, d] = np.minimum(whole[:, d], s * ctx.kernel_times(phase, group))
     split: dict[int, np.ndarray] = {}
     if ctx.spec.family == "moe" and ctx.split_experts and routing is not None:
         split = _expert_splits(ctx, features, singles, routing)
-    edges = np.array([(u, v, b) for u, v, b in data_edges(graph) if b > 0], dtype=float).reshape(-1, 3)
+    edges = np.array([(u, v, b) for u, v, b in facts.edges if b > 0], dtype=float).reshape(-1, 3)
     return PhaseCosts(phase.phase, phase.batch, phase.repeats / phase.rows, whole, split, edges)
 
 
@@ -296,16 +278,14 @@ def _expert_splits(ctx: PlanContext, features, singles: list[Target], routing) -
 
 def upper_bound(ctx: PlanContext) -> ThroughputBound:
     """The case's upper bound on throughput (computed once per context; graphs and problems cached in it)."""
-    cached = ctx.__dict__.get("_bound")
-    if cached is not None:
-        return cached
+    if ctx.batch in ctx.cache.bounds:
+        return ctx.cache.bounds[ctx.batch]
     t0 = time.perf_counter()
     names, counts, singles = single_targets(ctx)
     batch, why, memory = admissible_batch(ctx)
     candidates = candidate_batches(batch)
-    cache = ctx.__dict__.setdefault("_bound_times", {})
     children = [ctx.for_batch(b) for b in candidates]
-    repeated = [phase_costs(c, c.main_phase, singles, counts, names, cache) for c in children]
+    repeated = [phase_costs(c, c.main_phase, singles, counts, names) for c in children]
     phases = []
     for i, ph in enumerate(ctx.phases):
         if ph is ctx.main_phase:
@@ -313,7 +293,7 @@ def upper_bound(ctx: PlanContext) -> ThroughputBound:
             continue
         # the other phases as the children have them (their state rows follow the batch under a fixed M)
         variants = list(dict.fromkeys([ph, *(c.phases[i] for c in children)]))
-        phases.append([phase_costs(ctx, v, singles, counts, names, cache) for v in variants])
+        phases.append([phase_costs(ctx, v, singles, counts, names) for v in variants])
     lp = fractional_request_time(phases, counts, outbound_bandwidth(ctx, names))
     t_req, loads = lp.request_time_s, lp.loads
     shares = lp.mode_share[ctx.phases.index(ctx.main_phase)]
@@ -327,7 +307,7 @@ def upper_bound(ctx: PlanContext) -> ThroughputBound:
         seconds=time.perf_counter() - t0, memory=memory,
         link_types=tuple(n for n, v in zip(names, lp.link_s, strict=True) if t_req > 0 and v >= t_req * (1 - 1e-6)),
         link_share={n: float(v) / t_req for n, v in zip(names, lp.link_s, strict=True) if t_req > 0 and v > 0})
-    ctx.__dict__["_bound"] = bound
+    ctx.cache.bounds[ctx.batch] = bound
     return bound
 
 

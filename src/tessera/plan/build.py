@@ -26,6 +26,7 @@ from tessera.cost.routing import RoutingDistribution
 from tessera.graph.dataflow import colocation, data_edges
 from tessera.graph.ir import KernelGraph
 from tessera.hardware.cluster import Cluster
+from tessera.plan.config import DEFAULT_MEMORY_UTILIZATION
 from tessera.plan.experts import SplitMapping
 from tessera.plan.groups import DeviceGroup, default_routing, group_kernel_times
 from tessera.plan.problem import MemorySpec, PlacementProblem
@@ -131,15 +132,45 @@ def activation_peak(graph: KernelGraph) -> float:
     return max(per_kernel.values(), default=0.0)
 
 
+@dataclass(frozen=True)
+class GraphFacts:
+    """What every step problem of one traced graph shares, whatever its targets and M: kernel features, the
+    expert routing, the coalesced data edges, the co-location pairs and the largest activation working set."""
+
+    features: list[KernelFeatures]
+    routing: RoutingDistribution | None
+    edges: list[tuple[int, int, float]]
+    together: list[tuple[int, int]]
+    activation_peak: float
+
+    @classmethod
+    def of(cls, graph: KernelGraph, options: CostOptions, routing_skew: float = 0.0) -> GraphFacts:
+        edges = data_edges(graph)
+        return cls(FeatureExtractor(graph, options).all(), default_routing(graph, routing_skew), edges,
+                   colocation(graph, edges), activation_peak(graph))
+
+
+def target_key(target: Target) -> tuple:
+    """What a target's kernel times depend on: its GPU type, how many GPUs and the link between them."""
+    return target.spec.id, target.size, target.intra
+
+
 def build_step_problem(graph: KernelGraph, targets: list[Target], cluster: Cluster, *, micro_batches: int = 1,
                        options: CostOptions = CostOptions(), profile: Profile | None = None,
                        routing_skew: float = 0.0, memory: bool = True, state_scale: float = 1.0,
-                       expert_parts: int = 1) -> StepProblem:
+                       expert_parts: int = 1, utilization: float = DEFAULT_MEMORY_UTILIZATION,
+                       facts: GraphFacts | None = None, times_cache: dict | None = None) -> StepProblem:
     """The placement problem of one step (``graph`` traced at the micro-batch size) over ``targets``
-    (``expert_parts`` > 1: every grouped expert GEMM split into that many expert groups plus a combine)."""
-    features = FeatureExtractor(graph, options).all()
-    routing = default_routing(graph, routing_skew)
-    times = np.stack([target_times(graph, features, t, options, profile, routing) for t in targets], axis=1)
+    (``expert_parts`` > 1: every grouped expert GEMM split into that many expert groups plus a combine; each
+    target keeps ``utilization`` of its memory). ``facts`` (the graph's, built with the same options and
+    skew) and ``times_cache`` (kernel times by target key, for this graph) skip work a caller already did."""
+    facts = GraphFacts.of(graph, options, routing_skew) if facts is None else facts
+    features, routing = facts.features, facts.routing
+    cache = {} if times_cache is None else times_cache
+    for t in targets:
+        if target_key(t) not in cache:
+            cache[target_key(t)] = target_times(graph, features, t, options, profile, routing)
+    times = np.stack([cache[target_key(t)] for t in targets], axis=1)
     d = len(targets)
     bandwidth, latency = np.full((d, d), np.inf), np.zeros((d, d))
     for i, a in enumerate(targets):
@@ -147,14 +178,14 @@ def build_step_problem(graph: KernelGraph, targets: list[Target], cluster: Clust
             if i != j:
                 link = link_between(cluster, a, b)
                 bandwidth[i, j], latency[i, j] = link.bandwidth, link.latency_s
-    edges = data_edges(graph)
-    reserve = activation_peak(graph) * micro_batches
+    edges = facts.edges
+    reserve = facts.activation_peak * micro_batches
     spec = None
     if memory:
         spec = memory_items(graph, options, micro_batches, state_scale)
-        spec.capacity = np.array([max(t.memory_bytes - reserve, 0.0) for t in targets])
-    problem = PlacementProblem([t.name for t in targets], times, edges, bandwidth, latency,
-                               together=colocation(graph, edges), micro_batches=micro_batches, memory=spec)
+        spec.capacity = np.array([max(t.usable_bytes(utilization) - reserve, 0.0) for t in targets])
+    problem = PlacementProblem([t.name for t in targets], times, list(edges), bandwidth, latency,
+                               together=list(facts.together), micro_batches=micro_batches, memory=spec)
     mapping = None
     if expert_parts > 1 and routing is not None:
         problem, mapping = _split_experts(problem, features, targets, options, profile, routing, expert_parts)
@@ -165,18 +196,26 @@ def _split_experts(problem: PlacementProblem, features: list[KernelFeatures], ta
                    options: CostOptions, profile: Profile | None, routing: RoutingDistribution,
                    parts: int) -> tuple[PlacementProblem, SplitMapping | None]:
     """Every grouped expert GEMM of the problem split into ``parts`` expert groups plus a combine."""
-    from tessera.plan.experts import combine_times, expert_part_times, part_bytes, split_kernel, weight_shares
+    from tessera.plan.experts import (
+        KernelSplit,
+        combine_times,
+        expert_part_times,
+        part_bytes,
+        split_kernels,
+        weight_shares,
+    )
 
     models = [CostModel(t.spec, options, profile if profile is not None and profile.device == t.spec.id else None)
               for t in targets]
-    mapping = None
-    for f in reversed([f for f in features if f.cost_class == "grouped_gemm" and f.gemm is not None]):
-        if f.gemm[1] < parts:  # fewer routed rows than parts: nothing to spread
-            continue
+    splits = []
+    for f in features:
+        if f.cost_class != "grouped_gemm" or f.gemm is None or f.gemm[1] < parts:  # fewer routed rows than
+            continue  # parts: nothing to spread
         n = min(parts, routing.experts)
         times = expert_part_times(f, models, n, routing) / np.array([max(t.size, 1) for t in targets])
         into, out = part_bytes(f, n, routing)
-        problem, step = split_kernel(problem, f.index, times, combine_times(f, models), into, out,
-                                     weight_shares(routing.experts, n))
-        mapping = step if mapping is None else mapping.then(step)
-    return problem, mapping
+        splits.append(KernelSplit(f.index, times, combine_times(f, models), into, out,
+                                  weight_shares(routing.experts, n)))
+    if not splits:
+        return problem, None
+    return split_kernels(problem, splits)

@@ -1,12 +1,13 @@
-"""What one planning run works from: the model's phases for a workload, their traced graphs and step
-problems (cached per shape and target set), and how a set of per-phase assignments becomes a
-DeploymentPlan (exact re-evaluation, memory on the union of phases, state moves, the per-request
-throughput model of :mod:`tessera.plan.deployment`)."""
+"""What one planning run works from: the model's phases for a workload, how its engines size their batch
+(`BatchMode`), their traced graphs and step problems (memoised in one `PlanCache` per run), and how a set of
+per-phase assignments becomes a DeploymentPlan (exact re-evaluation, memory on the union of phases, state
+moves, the per-request throughput model of :mod:`tessera.plan.deployment`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from functools import cached_property
 from typing import Any
 
@@ -21,7 +22,14 @@ from tessera.graph.ir import KernelGraph
 from tessera.graph.layers import LayerStructureError, layer_structure
 from tessera.hardware.cluster import Cluster, parse_cluster
 from tessera.plan.admission import MemoryShape, admit
-from tessera.plan.build import StepProblem, build_step_problem, transfer_assignment
+from tessera.plan.build import (
+    GraphFacts,
+    StepProblem,
+    build_step_problem,
+    target_key,
+    target_times,
+    transfer_assignment,
+)
 from tessera.plan.config import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_BATCH_LLM,
@@ -51,6 +59,61 @@ PROMPT_BINS = 4  # representative prompt lengths a prompt phase is costed at (eq
 
 class PlanningError(TesseraError):
     """A workload that does not fit the model, or a planning request that cannot be met."""
+
+
+class BatchMode(Enum):
+    """How the engines of a deployment size their batch; one per planning run (`PlanContext.mode`)."""
+
+    ADMIT = "admit"  # each engine admits the sequences its memory holds, as vLLM does (text models by default)
+    OWN = "own"  # each engine keeps its own fixed batch in flight (diffusion's default images)
+    SHARED = "shared"  # one fixed batch for the deployment, divided between its replicas (--max-batch, runtime)
+
+
+def batch_mode(family: str, max_batch: int | None, runtime: bool) -> BatchMode:
+    """The batch mode of a planning run: diffusion without a fixed ``--max-batch`` keeps every engine's own
+    images in flight; a fixed batch or a runtime plan (one copy of the model over the workers, at the
+    runtime's shapes) shares one batch; everything else admits from memory."""
+    if family == "diffusion" and max_batch is None:
+        return BatchMode.OWN
+    return BatchMode.SHARED if max_batch is not None or runtime else BatchMode.ADMIT
+
+
+def prompt_length(workload: Workload) -> int:
+    """The one prompt length a text workload's phases are traced at: the fixed length, the mean of an
+    ``offline:`` distribution (prefill work and cache grow with it), or the median of Poisson arrivals."""
+    if isinstance(workload, FixedWorkload):
+        return workload.input
+    if isinstance(workload, OfflineWorkload):
+        return max(1, round(workload.mean_input))
+    assert isinstance(workload, PoissonWorkload)
+    return max(1, round(workload.lengths.median[0]))
+
+
+def representative_prompts(workload: Workload, bins: int = 4) -> list[int]:
+    """The prompt lengths an ``offline:`` workload's prompt phase is costed at: the means of ``bins``
+    equal-count bins of its prompts (each standing for that share of the requests); empty for other
+    workloads, whose phases are traced at :func:`prompt_length` alone."""
+    if not isinstance(workload, OfflineWorkload):
+        return []
+    lengths = np.sort(np.asarray(workload.lengths.inputs, dtype=float))
+    return [max(1, round(float(b.mean()))) for b in np.array_split(lengths, bins) if len(b)]
+
+
+@dataclass
+class PlanCache:
+    """What one planning run memoises, shared by its context and every context split from it
+    (`PlanContext.for_batch`): everything derived from the run's cluster, options and solver settings. (Traced
+    graphs depend only on their step shape: they live in `PlanContext.graphs`, which contexts of one model may
+    share.)"""
+
+    facts: dict[tuple, GraphFacts] = field(default_factory=dict)  # by graph key: edges, features, co-location
+    times: dict[tuple, dict[tuple, np.ndarray]] = field(default_factory=dict)  # graph key -> target key -> [K] s
+    problems: dict[tuple, StepProblem] = field(default_factory=dict)  # by (phase, M, targets, expert parts)
+    folded: dict[tuple, Merged] = field(default_factory=dict)  # the same keys, folded
+    solved: dict[tuple, tuple[tuple[int, ...], dict]] = field(default_factory=dict)  # folded solves' answers
+    over_prompts: dict[tuple, tuple] = field(default_factory=dict)  # prompt phases costed over prompt lengths
+    bounds: dict[int, Any] = field(default_factory=dict)  # the case's ThroughputBound by batch (plan.bound)
+    step_timers: dict[tuple, Any] = field(default_factory=dict)  # the simulator's step timers by engine
 
 
 @dataclass(frozen=True)
@@ -86,14 +149,11 @@ def workload_phases(family: str, workload: Workload, max_batch: int | None) -> t
     if isinstance(workload, ImagesWorkload):
         raise PlanningError(f"a {family} model serves text requests; use a workload such as "
                             f"{DEFAULT_TEXT_WORKLOAD} or poisson:rate=4,lengths=azure-conv")
-    if isinstance(workload, FixedWorkload):
-        n_in, n_out = workload.input, workload.output
-    elif isinstance(workload, OfflineWorkload):  # the mean prompt: prefill work and cache grow with it
-        n_in, n_out = max(1, round(workload.mean_input)), workload.output
+    n_in = prompt_length(workload)
+    if isinstance(workload, FixedWorkload | OfflineWorkload):
+        n_out = workload.output
     else:
-        assert isinstance(workload, PoissonWorkload)
-        med_in, med_out = workload.lengths.median
-        n_in, n_out = max(1, round(med_in)), max(1, round(med_out))
+        n_out = max(1, round(workload.lengths.median[1]))
     b = max_batch or DEFAULT_MAX_BATCH_LLM
     if isinstance(workload, FixedWorkload | OfflineWorkload) and max_batch is None:
         b = min(b, workload.requests)
@@ -107,7 +167,9 @@ def workload_phases(family: str, workload: Workload, max_batch: int | None) -> t
 
 @dataclass
 class PlanContext:
-    """One planning run: model, cluster, workload, cost options and caches of graphs and step problems."""
+    """One planning run: model, cluster, workload and every setting of the request (the fields), its batch
+    mode (`mode`, decided once from the settings) and its memo (`cache`, shared with the contexts
+    `for_batch` splits off, which differ only in the batch)."""
 
     model: str
     cluster: Cluster
@@ -129,18 +191,19 @@ class PlanContext:
     image: str | None = None  # vision-language models: the image size "WxH" (default: the catalog's)
     single_replica: bool = False  # plans for the runtime: one copy of the model over the cluster, no replicas
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    # engines admit sequences from their memory (None: when no fixed batch is asked for and the plan is not
-    # the runtime's; diffusion keeps its fixed images in flight)
-    admits: bool | None = None
+    mode: BatchMode | None = None  # None: `batch_mode` of the request (a context split off keeps its parent's)
     # traced graphs by step shape; contexts of one model may share one dict (a graph depends only on its shape)
     graphs: dict[tuple, KernelGraph] = field(default_factory=dict, repr=False)
     mix_min_gain: float = DEFAULT_MIX_MIN_GAIN  # Tessera adopts a route mix only past this planned gain
+    cache: PlanCache = field(init=False, repr=False, compare=False)
+    parent: PlanContext | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.spec = resolve_model(self.model)
-        if self.admits is None:
-            self.admits = (self.max_batch is None and self.cache_ctx is None and not self.single_replica
-                           and self.micro_batches is None and self.spec.family != "diffusion")
+        if self.mode is None:
+            runtime = self.cache_ctx is not None or self.single_replica or self.micro_batches is not None
+            self.mode = batch_mode(self.spec.family, self.max_batch, runtime)
+        self.cache = PlanCache()
         batch = self.max_batch
         if self.admits and batch is None:  # probe at the most an engine may admit; memory then decides
             batch = self.engine_cap(1)[0]
@@ -158,8 +221,11 @@ class PlanContext:
                 self.phases = [replace(p, slots=main.batch // m) if p.ctx is not None and not p.micro_batched
                                else p for p in self.phases]
         self.solve_seconds = 0.0  # spent in the placement solver so far (shared with for_batch children)
-        self._problems: dict[tuple, StepProblem] = {}
-        self._folded: dict[tuple, Merged] = {}
+
+    @property
+    def admits(self) -> bool:
+        """Whether every engine admits the sequences its memory holds (`BatchMode.ADMIT`)."""
+        return self.mode is BatchMode.ADMIT
 
     @property
     def batch(self) -> int:
@@ -171,20 +237,14 @@ class PlanContext:
         """Whether the batch is the deployment's, shared by its replicas (a fixed ``--max-batch``, runtime
         plans); not where engines admit from memory, nor for diffusion's default images in flight, which
         every engine has of its own."""
-        return not self.admits and not (self.spec.family == "diffusion" and self.max_batch is None)
+        return self.mode is BatchMode.SHARED
 
     def for_batch(self, batch: int) -> PlanContext:
-        """The same run with ``batch`` in flight (a replica's share), sharing the caches."""
+        """The same run (every setting and the mode) with ``batch`` in flight, sharing this run's cache."""
         if batch == self.batch:
             return self
-        child = PlanContext(self.model, self.cluster, self.workload, self.workload_text, batch, self.options,
-                            self.profile, self.routing_skew, self.price_scenario, self.fold_chunks, self.gap,
-                            self.time_limit_s, self.search_time_s, self.progress, self.cache_ctx,
-                            self.split_experts, self.micro_batches, self.image, self.single_replica, self.admission,
-                            self.admits, self.graphs, mix_min_gain=self.mix_min_gain)
-        child._problems, child._folded = self._problems, self._folded
-        child._solved = self.__dict__.setdefault("_solved", {})
-        child._parent = self
+        child = replace(self, max_batch=batch)
+        child.cache, child.parent = self.cache, self
         return child
 
     @classmethod
@@ -200,9 +260,8 @@ class PlanContext:
     def add_solve_time(self, seconds: float) -> None:
         """Count solver time here and in the context this one was split from."""
         self.solve_seconds += seconds
-        parent = getattr(self, "_parent", None)
-        if parent is not None:
-            parent.add_solve_time(seconds)
+        if self.parent is not None:
+            self.parent.add_solve_time(seconds)
 
     def engine_cap(self, replicas: int) -> tuple[int, str]:
         """The most sequences one of ``replicas`` engines may admit, and why: ``max_num_seqs``, or its share of
@@ -255,39 +314,59 @@ class PlanContext:
         allowed = MICRO_BATCHES if self.micro_batches is None else (self.micro_batches,)
         return [m for m in allowed if m >= minimum and phase.batch % m == 0]
 
+    def graph_key(self, phase: PhaseSpec, micro_batches: int = 1) -> tuple:
+        """The step shape the phase's graph at ``micro_batches`` is traced at (its cache key)."""
+        image = self.image if self.spec.family == "vlm" else None
+        return phase.phase, phase.batch // micro_batches, phase.seq, phase.ctx, phase.resolution, phase.slots, image
+
     def graph(self, phase: PhaseSpec, micro_batches: int = 1) -> KernelGraph:
         """The phase's graph traced at the micro-batch size (cached)."""
         from tessera.capture.api import trace_model
 
-        image = self.image if self.spec.family == "vlm" else None
-        key = (phase.phase, phase.batch // micro_batches, phase.seq, phase.ctx, phase.resolution, phase.slots, image)
-        if key not in self.graphs:
+        key = self.graph_key(phase, micro_batches)
+        graphs = self.graphs
+        if key not in graphs:
             self.say(f"tracing {self.model} {phase.phase} (batch {key[1]})")
-            self.graphs[key] = trace_model(self.model, phase.phase, batch=key[1], seq=phase.seq, ctx=phase.ctx,
-                                            resolution=phase.resolution, slots=phase.slots, image=image)
-        return self.graphs[key]
+            graphs[key] = trace_model(self.model, phase.phase, batch=key[1], seq=phase.seq, ctx=phase.ctx,
+                                      resolution=phase.resolution, slots=phase.slots, image=key[-1])
+        return graphs[key]
+
+    def graph_facts(self, phase: PhaseSpec, micro_batches: int = 1) -> GraphFacts:
+        """What every step problem of the phase's graph at ``micro_batches`` shares (cached)."""
+        key = self.graph_key(phase, micro_batches)
+        if key not in self.cache.facts:
+            self.cache.facts[key] = GraphFacts.of(self.graph(phase, micro_batches), self.options, self.routing_skew)
+        return self.cache.facts[key]
+
+    def kernel_times(self, phase: PhaseSpec, target: Target, micro_batches: int = 1) -> np.ndarray:
+        """[K] seconds of each kernel of the phase's graph at ``micro_batches`` on ``target`` (cached)."""
+        times = self.cache.times.setdefault(self.graph_key(phase, micro_batches), {})
+        key = target_key(target)
+        if key not in times:
+            facts = self.graph_facts(phase, micro_batches)
+            times[key] = target_times(self.graph(phase, micro_batches), facts.features, target, self.options,
+                                      self.profile, facts.routing)
+        return times[key]
 
     def step_problem(self, phase: PhaseSpec, targets: list[Target], micro_batches: int = 1,
                      expert_parts: int = 1) -> StepProblem:
         """The phase's unfolded placement problem over ``targets`` (cached; ``expert_parts`` > 1 splits
         every grouped expert GEMM into expert groups plus a combine)."""
         key = (phase, micro_batches, tuple(t.members for t in targets), expert_parts)
-        if key not in self._problems:
-            graph = self.graph(phase, micro_batches)
-            sp = build_step_problem(graph, targets, self.cluster, micro_batches=micro_batches, options=self.options,
-                                    profile=self.profile, routing_skew=self.routing_skew,
-                                    state_scale=phase.state_scale, expert_parts=expert_parts)
-            if self.admits and sp.problem.memory is not None:  # an engine keeps its utilisation share only
-                util = self.admission.memory_utilization
-                sp.problem.memory.capacity = np.array([max(t.device_bytes * util - sp.activation_reserve, 0.0)
-                                                       for t in targets])
-            self._problems[key] = sp
-        return self._problems[key]
+        if key not in self.cache.problems:
+            gkey = self.graph_key(phase, micro_batches)
+            self.cache.problems[key] = build_step_problem(
+                self.graph(phase, micro_batches), targets, self.cluster, micro_batches=micro_batches,
+                options=self.options, profile=self.profile, routing_skew=self.routing_skew,
+                state_scale=phase.state_scale, expert_parts=expert_parts,
+                utilization=self.admission.memory_utilization, facts=self.graph_facts(phase, micro_batches),
+                times_cache=self.cache.times.setdefault(gkey, {}))
+        return self.cache.problems[key]
 
     def folded(self, phase: PhaseSpec, targets: list[Target], micro_batches: int = 1, expert_parts: int = 1) -> Merged:
         """The phase's problem with identical layers folded into ``fold_chunks`` runs per class (cached)."""
         key = (phase, micro_batches, tuple(t.members for t in targets), expert_parts)
-        if key not in self._folded:
+        if key not in self.cache.folded:
             sp = self.step_problem(phase, targets, micro_batches, expert_parts)
             try:
                 graph_groups = fold_groups(layer_structure(sp.graph), len(sp.graph.kernels), self.fold_chunks)
@@ -295,8 +374,8 @@ class PlanContext:
                 graph_groups = [[k] for k in range(len(sp.graph.kernels))]
             own = sp.problem_kernels()  # a split kernel's parts fold with the same parts of the other layers
             groups = [[own[k][j] for k in g] for g in graph_groups for j in range(len(own[g[0]]))]
-            self._folded[key] = merge(sp.problem, groups)
-        return self._folded[key]
+            self.cache.folded[key] = merge(sp.problem, groups)
+        return self.cache.folded[key]
 
     # -----------------------------------------------------------------------------------------------------
     # From per-phase assignments to a DeploymentPlan
@@ -321,10 +400,7 @@ class PlanContext:
         d = len(targets)
         shape = self.memory_shape(problems, targets)
         memory = shape.fixed + shape.per_sequence * self.batch
-        if self.admits:  # the engine's utilisation share of each device
-            capacity = [t.device_bytes * self.admission.memory_utilization for t in targets]
-        else:
-            capacity = [t.memory_bytes for t in targets]
+        capacity = [t.usable_bytes(self.admission.memory_utilization) for t in targets]
         usable = np.array(capacity)
         loads = np.zeros(d)
         links = np.zeros((d, d))
@@ -391,14 +467,12 @@ class PlanContext:
 
     @cached_property
     def prompt_lengths(self) -> list[int]:
-        """Representative prompt lengths of the workload's distribution (the means of ``PROMPT_BINS``
-        equal-count bins of its prompts, each standing for that share of the requests); empty where the
+        """The prompt lengths a prompt phase is costed at (:func:`representative_prompts`); empty where the
         phases are traced at one prompt length that stands for every request (fixed lengths, the runtime's
-        shapes, a median for Poisson arrivals)."""
-        if not isinstance(self.workload, OfflineWorkload) or self.cache_ctx is not None or self.spec.family == "vlm":
+        shapes, a median for Poisson arrivals; a VLM's prompt, which holds the image's tokens)."""
+        if self.cache_ctx is not None or self.spec.family == "vlm":
             return []
-        lengths = np.sort(np.asarray(self.workload.lengths.inputs, dtype=float))
-        return [max(1, round(float(b.mean()))) for b in np.array_split(lengths, PROMPT_BINS) if len(b)]
+        return representative_prompts(self.workload, PROMPT_BINS)
 
     def _over_prompts(self, phase: PhaseSpec, targets: list[Target], m: int, parts: int, sp: StepProblem,
                       assignment, ev) -> tuple[float, list[float], list[list[float]]]:
@@ -411,7 +485,7 @@ class PlanContext:
         if not lengths:
             return as_evaluated
         key = (phase, tuple(t.members for t in targets), m, parts, tuple(int(a) for a in assignment))
-        done = self.__dict__.setdefault("_over_prompts_done", {})  # the search assembles one prefill many times
+        done = self.cache.over_prompts  # the search assembles one prefill many times
         if key in done:
             return done[key]
         cycle, busy, link = 0.0, np.zeros(len(ev.busy_s)), np.zeros_like(np.asarray(ev.link_s, dtype=float))

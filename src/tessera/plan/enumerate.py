@@ -48,35 +48,57 @@ def busy_times(problem: PlacementProblem, a: np.ndarray) -> np.ndarray:
     return np.stack([np.where(a == dev, t, 0.0).sum(axis=1) for dev in range(nd)], axis=1)
 
 
+def _transfers(problem: PlacementProblem, a: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
+               messages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For edges (``src``, ``dst``, ``nbytes``, ``messages``) under assignments ``a`` [N, K]: the sending and
+    receiving devices [N, E] and each transfer's seconds (:meth:`PlacementProblem.transfer_time`; 0 where
+    both ends share a device)."""
+    s, d = a[:, src], a[:, dst]
+    cost = messages * problem.latency[s, d] + nbytes / problem.bandwidth[s, d]
+    return s, d, np.where(s == d, 0.0, cost)
+
+
 def link_loads(problem: PlacementProblem, a: np.ndarray) -> np.ndarray:
     """[N, D, D] seconds each directed link transfers per micro-batch (cut edges and cut loop edges)."""
     nd = problem.times.shape[1]
-    link = np.zeros((len(a), nd, nd))
-    rows = np.arange(len(a))
-    for (src, dst, nbytes), count in zip(problem.edges, problem.messages, strict=True):
-        np.add.at(link, (rows, a[:, src], a[:, dst]), problem.transfer_matrix(nbytes, count)[a[:, src], a[:, dst]])
-    for src, dst, nbytes, count in problem.loop_edges:
-        np.add.at(link, (rows, a[:, src], a[:, dst]), problem.transfer_matrix(nbytes, count)[a[:, src], a[:, dst]])
-    return link
+    e = problem.edge_arrays
+    n = len(a)
+    parts = [_transfers(problem, a, e.src, e.dst, e.nbytes, e.messages),
+             _transfers(problem, a, e.loop_src, e.loop_dst, e.loop_bytes, e.loop_messages)]
+    rows = np.arange(n)[:, None]
+    # every assignment's edges, then its loop edges, summed in that order (as one edge after another)
+    cells = np.concatenate([(rows * nd + s) * nd + d for s, d, _ in parts], axis=1)
+    costs = np.concatenate([c for _, _, c in parts], axis=1)
+    return np.bincount(cells.ravel(), costs.ravel(), minlength=n * nd * nd).reshape(n, nd, nd)
 
 
 def critical_paths(problem: PlacementProblem, a: np.ndarray) -> np.ndarray:
     """[N] latency objective: the longest path of compute plus cut-edge transfers, plus the transfers of
     cut loop edges (a constant term: the chain of layers crosses every layer boundary)."""
     k = problem.kernels
+    e = problem.edge_arrays
     t = problem.times[np.arange(k), a]
+    _, _, cost = _transfers(problem, a, e.src, e.dst, e.nbytes, e.messages)
+    _, _, loop_cost = _transfers(problem, a, e.loop_src, e.loop_dst, e.loop_bytes, e.loop_messages)
+    loops = np.zeros(len(a))
+    for j in range(loop_cost.shape[1]):
+        loops += loop_cost[:, j]
+    if len(a) == 1:  # one assignment (every plan's evaluation): plain floats
+        finish, tt, cc = [0.0] * k, t[0].tolist(), cost[0].tolist()
+        for j in range(k):
+            start = 0.0
+            for n, src in e.preds[j]:
+                v = finish[src] + cc[n]
+                if v > start:
+                    start = v
+            finish[j] = start + tt[j]
+        return np.array([max(finish, default=0.0)]) + loops
     finish = np.zeros_like(t, dtype=float)
-    preds: dict[int, list[tuple[int, np.ndarray]]] = {}
-    for (src, dst, nbytes), count in zip(problem.edges, problem.messages, strict=True):
-        preds.setdefault(dst, []).append((src, problem.transfer_matrix(nbytes, count)))
     for j in range(k):
         start = np.zeros(len(a))
-        for src, cost in preds.get(j, []):
-            start = np.maximum(start, finish[:, src] + cost[a[:, src], a[:, j]])
+        for n, src in e.preds[j]:
+            start = np.maximum(start, finish[:, src] + cost[:, n])
         finish[:, j] = start + t[:, j]
-    loops = np.zeros(len(a))
-    for src, dst, nbytes, count in problem.loop_edges:
-        loops += problem.transfer_matrix(nbytes, count)[a[:, src], a[:, dst]]
     return (finish.max(axis=1) if k else np.zeros(len(a))) + loops
 
 
@@ -98,24 +120,27 @@ def objective_values(problem: PlacementProblem, a: np.ndarray, objective: str) -
 def memory_use(problem: PlacementProblem, a: np.ndarray) -> np.ndarray:
     """[N, D] bytes of items resident on each device (an item lives where some kernel reading it runs)."""
     nd = problem.times.shape[1]
-    use = np.zeros((len(a), nd))
     if problem.memory is None:
-        return use
-    rows = np.arange(len(a))
-    for w, readers in problem.memory.readers().items():
-        held = np.zeros((len(a), nd), dtype=bool)
-        for i in set(readers):
-            held[rows, a[:, i]] = True
-        use += held * problem.memory.item_bytes[w]
-    return use
+        return np.zeros((len(a), nd))
+    e = problem.edge_arrays
+    held = np.zeros((len(a), len(e.items), nd), dtype=bool)  # items in the order readers() lists them
+    held[np.arange(len(a))[:, None], e.read_item[None, :], a[:, e.read_kernel]] = True
+    if not len(e.items):
+        return np.zeros((len(a), nd))
+    # summed item after item (a cumulative sum is sequential): the same sums as adding them one by one
+    return np.cumsum(held * problem.memory.item_bytes[e.items][None, :, None], axis=1)[:, -1]
 
 
 def memory_fits(problem: PlacementProblem, a: np.ndarray) -> np.ndarray:
     """[N] whether each assignment's resident items fit every device's capacity."""
+    return fits(problem, memory_use(problem, a))
+
+
+def fits(problem: PlacementProblem, use: np.ndarray) -> np.ndarray:
+    """[N] whether resident bytes ``use`` [N, D] (:func:`memory_use`) fit every device's capacity."""
     if problem.memory is None:
-        return np.ones(len(a), dtype=bool)
-    cap = problem.memory.capacity
-    return (memory_use(problem, a) <= cap * (1 + _MEMORY_SLACK)).all(axis=1)
+        return np.ones(len(use), dtype=bool)
+    return (use <= problem.memory.capacity * (1 + _MEMORY_SLACK)).all(axis=1)
 
 
 def solve_by_enumeration(problem: PlacementProblem, objective: str = "throughput") -> Placement:

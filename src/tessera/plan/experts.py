@@ -272,3 +272,112 @@ def _split_memory(m: MemorySpec, kernel: int, parts: int, shares: np.ndarray, ne
                     names.append(f"{base}[part {q}]")
                 reads.append((kernel + q, item))
     return MemorySpec(np.array(sizes, dtype=float), sorted(reads), m.capacity.copy(), names)
+
+
+@dataclass(frozen=True)
+class KernelSplit:
+    """One kernel's split as :func:`split_kernel` takes it."""
+
+    kernel: int
+    part_times: np.ndarray
+    combine_times: np.ndarray
+    in_bytes_per_part: Sequence[float]
+    out_bytes_per_part: Sequence[float]
+    weight_shares: Sequence[float] | None = None
+
+
+def split_kernels(problem: PlacementProblem, splits: list[KernelSplit]) -> tuple[PlacementProblem, SplitMapping]:
+    """Every kernel of ``splits`` (distinct kernels) split at once: the problem and mapping that
+    :func:`split_kernel` applied to each, the last kernel first, gives (the same kernels, edges, items and
+    orders), in one pass over the problem instead of one per split."""
+    k_old, nd = problem.times.shape
+    by_kernel: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+    for s in splits:
+        if not 0 <= s.kernel < k_old or s.kernel in by_kernel:
+            raise ExpertSplitError(f"kernel {s.kernel} does not exist or is split twice (the problem has "
+                                   f"{k_old} kernels)")
+        pt, ct = np.asarray(s.part_times, dtype=float), np.asarray(s.combine_times, dtype=float)
+        if pt.ndim != 2 or pt.shape[1] != nd or pt.shape[0] < 1 or ct.shape != (nd,):
+            raise ExpertSplitError(f"kernel {s.kernel}: part_times must be [parts, {nd}] and combine_times [{nd}] "
+                                   f"seconds (got shapes {pt.shape}, {ct.shape})")
+        p = pt.shape[0]
+        outs = np.asarray(s.out_bytes_per_part, dtype=float)
+        if outs.shape != (p,) or (outs < 0).any():
+            raise ExpertSplitError(f"out_bytes_per_part needs {p} non-negative entries (got {list(outs)})")
+        shares = np.full(p, 1.0 / p) if s.weight_shares is None else np.asarray(s.weight_shares, dtype=float)
+        if shares.shape != (p,) or (shares < 0).any() or not math.isclose(shares.sum(), 1.0, rel_tol=1e-6):
+            raise ExpertSplitError(f"weight_shares needs {p} non-negative shares summing to 1 (got {list(shares)})")
+        by_kernel[s.kernel] = (pt, ct, _fractions(s.in_bytes_per_part, p, "in_bytes_per_part"), outs, shares)
+    first = np.zeros(k_old, dtype=int)  # each original kernel's first new index (a split kernel's part 0)
+    new = np.zeros(k_old, dtype=int)  # each original kernel's new index (a split kernel's combine)
+    shift, rows, origin = 0, [], []
+    for i in range(k_old):
+        first[i] = i + shift
+        if i in by_kernel:
+            pt, ct = by_kernel[i][:2]
+            shift += pt.shape[0]
+            rows += [pt, ct[None, :]]
+            origin += [(i, q) for q in range(pt.shape[0])] + [(i, COMBINE)]
+        else:
+            rows.append(problem.times[i:i + 1])
+            origin.append((i, None))
+        new[i] = i + shift
+    edges, messages = [], []
+    for (src, dst, nbytes), count in zip(problem.edges, problem.messages, strict=True):
+        if dst in by_kernel:
+            into = by_kernel[dst][2]
+            edges += [(int(new[src]), int(first[dst]) + q, float(nbytes * into[q])) for q in range(len(into))]
+            messages += [count] * len(into)
+        else:
+            edges.append((int(new[src]), int(new[dst]), nbytes))
+            messages.append(count)
+    for k in sorted(by_kernel, reverse=True):  # split_kernel appends each kernel's part -> combine edges
+        outs = by_kernel[k][3]
+        edges += [(int(first[k]) + q, int(new[k]), float(outs[q])) for q in range(len(outs))]
+        messages += [1.0] * len(outs)
+    loops = []
+    for src, dst, nbytes, count in problem.loop_edges:
+        if dst in by_kernel:
+            into = by_kernel[dst][2]
+            loops += [(int(new[src]), int(first[dst]) + q, float(nbytes * into[q]), count) for q in range(len(into))]
+        else:
+            loops.append((int(new[src]), int(new[dst]), nbytes, count))
+    pinned = {}
+    for i, dev in problem.pinned.items():
+        for j in (range(int(first[i]), int(new[i]) + 1) if i in by_kernel else [int(new[i])]):
+            pinned[j] = dev
+    together = [(int(new[i]), int(new[j])) for i, j in problem.together]
+    memory = None
+    if problem.memory is not None:
+        memory = _split_memories(problem.memory, by_kernel, first, new)
+    split = PlacementProblem(list(problem.devices), np.concatenate(rows), edges, problem.bandwidth.copy(),
+                             problem.latency.copy(), pinned, together, problem.micro_batches, messages, memory, loops)
+    return split, SplitMapping(tuple(origin))
+
+
+def _split_memories(m: MemorySpec, by_kernel: dict, first: np.ndarray, new: np.ndarray) -> MemorySpec:
+    """:func:`_split_memory` for every split kernel at once (appended part items in the order the splits,
+    last kernel first, append them)."""
+    readers = m.readers()
+    names = list(m.item_names) if m.item_names is not None else [f"item{w}" for w in range(len(m.item_bytes))]
+    sizes = list(m.item_bytes)
+    reads = []
+    own: dict[int, list[int]] = {}
+    for i, w in sorted(set(m.reads)):
+        if i not in by_kernel:
+            reads.append((int(new[i]), w))
+        elif set(readers[w]) != {i}:  # shared with other kernels: every part reads it whole
+            reads += [(int(first[i]) + q, w) for q in range(len(by_kernel[i][4]))]
+        else:
+            own.setdefault(i, []).append(w)
+    for k in sorted(own, reverse=True):
+        shares = by_kernel[k][4]
+        for w in own[k]:  # the kernel's own items (its experts' weights): one share per part
+            base, whole = names[w], sizes[w]
+            sizes[w], names[w] = whole * shares[0], f"{base}[part 0]"
+            reads.append((int(first[k]), w))
+            for q in range(1, len(shares)):
+                reads.append((int(first[k]) + q, len(sizes)))
+                sizes.append(whole * shares[q])
+                names.append(f"{base}[part {q}]")
+    return MemorySpec(np.array(sizes, dtype=float), sorted(reads), m.capacity.copy(), names)

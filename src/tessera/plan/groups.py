@@ -62,6 +62,7 @@ import heapq
 import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -308,6 +309,7 @@ class _Sharder:
         self.kv_share = _head_share(kv_heads(graph), group.tp)
         self.replica_share = replica_share(graph, group)
         self.layout = expert_layout(routing, group.ep) if routing is not None else None
+        self._uniform_active: dict[int, float] = {}
         self.matrices: dict[int, dict[str, float]] = defaultdict(dict)  # kernel -> matrix weights it reads
         for a in graph.accesses:
             buf = graph.buffers[a.buffer]
@@ -377,9 +379,11 @@ class _Sharder:
         """One shard per expert-parallel rank."""
         routing = self._routing_for(kernel)
         g = self.group
-        probs = np.array(routing.probabilities())
+        probs = self._probabilities
         rows = f.gemm[1] if f.gemm is not None else 0
-        uniform_active = RoutingDistribution(routing.experts).expected_active(rows)
+        if rows not in self._uniform_active:
+            self._uniform_active[rows] = RoutingDistribution(routing.experts).expected_active(rows)
+        uniform_active = self._uniform_active[rows]
         total_weights = f.weight_bytes * routing.experts / uniform_active if uniform_active > 0 else f.weight_bytes
         served = rows / g.expert_replicas  # assignments one expert replica serves
         shards = []
@@ -393,18 +397,26 @@ class _Sharder:
                                   other_bytes=f.other_bytes * share))
         return tuple(shards)
 
+    @cached_property
+    def _probabilities(self) -> np.ndarray:
+        return np.array(self.routing.probabilities())
+
+    @cached_property
+    def _imbalance(self) -> float:  # the same for every MoE layer of the graph: computed once
+        return self.routing.imbalance(self.group.ep)
+
     def busiest_share(self) -> float:
         """Share of all token-expert assignments the busiest GPU serves: imbalance(ep) / size."""
         if self.routing is None:
             return 1.0 / self.group.size
-        return self.routing.imbalance(self.group.ep) / self.group.size
+        return self._imbalance / self.group.size
 
     def moe_collectives(self, first: KernelFeatures, last: KernelFeatures) -> tuple[float, float]:
         """(dispatch, combine) seconds of one MoE layer whose grouped GEMMs run from ``first`` to ``last``."""
         g = self.group
         dispatch = combine = 0.0
         if g.ep > 1 and first.gemm is not None and last.gemm is not None:
-            imbalance = self.routing.imbalance(g.ep) if self.routing is not None else 1.0
+            imbalance = self._imbalance if self.routing is not None else 1.0
             per_device = first.gemm[1] / g.size
             dispatch = all_to_all_time(per_device * first.gemm[3] * _itemsize(first), g.ep, g.link, imbalance)
             combine = all_to_all_time(per_device * last.gemm[2] * _itemsize(last), g.ep, g.link, imbalance)

@@ -37,6 +37,8 @@ import numpy as np
 
 from tessera.plan.deployment import DeploymentPlan, lanes
 
+RATE_SLACK = 1e-6  # relative: what the LP's tolerances may add to a rate bound it was given
+
 
 @dataclass
 class Route:
@@ -191,6 +193,8 @@ def best_mix(plans: list[DeploymentPlan], outputs_per_request: float, prices: di
     routes = [r for r in (route_of(p, objective) for p in plans) if r is not None]
     best, best_rate = None, 0.0
     for pair in itertools.combinations(routes, 2):
+        if (pair[0].max_rate + pair[1].max_rate) * (1 + RATE_SLACK) < best_rate:
+            continue  # each route runs at most its rate alone: this pair cannot beat the best so far
         forms = [(list(pair), requests, False)] if fit_together(list(pair)) else []
         joined = one_engine(*pair, objective)
         if joined is not None:  # one engine: a finite workload that fills it fills both routes

@@ -28,15 +28,24 @@ import numpy as np
 from tessera.cost.features import block_of
 from tessera.errors import TesseraError
 from tessera.graph.layers import layer_structure
-from tessera.plan.admission import MemoryShape, admit, round_batch
+from tessera.plan.admission import round_batch
 from tessera.plan.config import DEFAULT_MIX_MIN_GAIN, PolicyError
 from tessera.plan.context import Chosen, PhaseSpec, PlanContext, PlanningError
 from tessera.plan.deployment import DeploymentPlan
 from tessera.plan.fold import layer_groups, merge
 from tessera.plan.milp import SolverError, solve_placement
 from tessera.plan.mixes import best_mix
+from tessera.plan.pipeline_search import (
+    Scorer,
+    admitted_scorer,
+    best_pipelines,
+    fixed_scorer,
+    layer_devices,
+    pipelines,
+)
 from tessera.plan.problem import PlacementProblem
 from tessera.plan.step_evaluation import evaluate
+from tessera.plan.symmetry import canonical, device_classes
 from tessera.plan.targets import Target, cluster_targets
 from tessera.workload import PoissonWorkload
 
@@ -46,7 +55,6 @@ NOT_APPLICABLE = {
     ("attention-ffn", "diffusion"): "a diffusion transformer's blocks are not split into attention and FFN "
                                     "halves that ping-pong between devices",
 }
-MAX_PIPELINE_CANDIDATES = 200_000
 EXPERT_PARTS = 2  # expert groups per grouped GEMM when Tessera splits an MoE layer's experts
 OTHER_PHASE_TIME_SHARE = 0.3  # of a step solve's time limit for the phases a request needs once (prefill)
 MIN_ROUTE_BATCH = 16  # the fewest sequences a smaller engine of a route mix admits
@@ -284,7 +292,7 @@ def _solve_folded(ctx: PlanContext, phase: PhaseSpec, targets: list[Target], m: 
     key = (phase.phase, phase.batch, m, tuple(t.members for t in targets), expert_parts, objective, memory,
            None if allowed is None else allowed.tobytes(), None if offsets is None else np.round(offsets, 12).tobytes(),
            folded_start)
-    memo = ctx.__dict__.setdefault("_solved", {})
+    memo = ctx.cache.solved
     if key in memo:  # the same problem again (another variant or round reached it): reuse the answer
         assignment, info = memo[key]
         return assignment, dict(info, reused=True)
@@ -346,7 +354,10 @@ def attention_ffn(ctx: PlanContext, objective: str) -> DeploymentPlan:
         targets = cluster_targets(ctx.cluster, r)
         if r > 1 and not rctx.can_hold(targets):
             continue
+        classes = device_classes(*(rctx.step_problem(ph, targets, rctx.fixed_m(ph)).problem for ph in rctx.phases))
         for att, ffn in itertools.permutations(range(len(targets)), 2):
+            if not canonical((att, ffn), classes):  # the same split on interchangeable devices
+                continue
             # M >= 2 lets the halves ping-pong; where the batch cannot be split (one sequence, or the
             # runtime's fixed M = 1) the split still runs, its halves taking turns on one micro-batch
             ms = (rctx.micro_batch_options(rctx.main_phase, minimum=1 if objective == "latency" else 2)
@@ -425,6 +436,7 @@ def _phase_chain(ctx: PlanContext, targets, m: int, objective: str, blocks: tupl
 def layer_pipeline(outer: PlanContext, objective: str) -> DeploymentPlan:
     """Contiguous layers per target in a device order; every split point and order searched exhaustively."""
     best = None
+    searched: dict[tuple, tuple[list, np.ndarray]] = {}
     for r in outer.replica_counts():
         ctx = _replica(outer, r)
         main = ctx.main_phase
@@ -437,16 +449,14 @@ def layer_pipeline(outer: PlanContext, objective: str) -> DeploymentPlan:
             structure = layer_structure(sp.graph)
             merged = merge(sp.problem, layer_groups(structure, sp.problem.kernels))
             layers = sorted(structure.spans)
-            score = _pipeline_scorer(ctx, targets, m, merged, objective)
-            scored = []
-            for order, cuts in _pipelines(len(layers), len(targets)):
-                stage_of = np.searchsorted(np.array(cuts), np.arange(len(layers)), side="right")
-                a = tuple(order[s] for s in stage_of)
-                key = score(a)
-                if key is not None:
-                    scored.append((key, a, order, cuts))
-            scored.sort(key=lambda s: s[0])
-            for _, a, order, cuts in scored[:3]:
+            classes = device_classes(sp.problem, *(ctx.step_problem(ph, targets).problem for ph in ctx.phases
+                                                   if ph is not main))
+            key = (len(layers), len(targets), tuple(classes))
+            if key not in searched:  # the same candidates at every M
+                candidates = list(pipelines(len(layers), len(targets), classes))
+                searched[key] = candidates, layer_devices(candidates, len(layers))
+            for _, a, order, cuts in best_pipelines(*searched[key], _pipeline_scorer(ctx, targets, m, merged,
+                                                                                     objective)):
                 layer_device = dict(zip(layers, a, strict=True))
                 chosen = [(ph, m if ph is main else 1, _by_layer(ctx, ph, targets, m if ph is main else 1,
                                                                    layer_device, order),
@@ -460,7 +470,7 @@ def layer_pipeline(outer: PlanContext, objective: str) -> DeploymentPlan:
     return best
 
 
-def _pipeline_scorer(ctx: PlanContext, targets, m: int, merged, objective: str):
+def _pipeline_scorer(ctx: PlanContext, targets, m: int, merged, objective: str) -> Scorer:
     """Per-layer assignment -> the main phase's seconds per request (latency: its critical path), None where
     it does not fit. Where engines admit from memory, each split admits what its memory holds: its resident
     bytes and cycle are interpolated between the batch of ``ctx`` and half of it (both traced), at the batch
@@ -468,43 +478,14 @@ def _pipeline_scorer(ctx: PlanContext, targets, m: int, merged, objective: str):
     main = ctx.main_phase
     half = round_batch(ctx.batch // 2, m)
     if not ctx.admits or objective != "throughput" or half < m or half >= ctx.batch:
-        def fixed(a):
-            ev = evaluate(merged.problem, a)
-            if not ev.memory_ok:
-                return None
-            return ev.cycle_s * main.repeats / main.rows if objective == "throughput" else ev.critical_path_s
-        return fixed
+        return fixed_scorer(merged.problem, main.repeats, main.rows, objective)
     small = ctx.for_batch(half)
     sp_small = small.step_problem(small.main_phase, targets, m)
     merged_small = merge(sp_small.problem, merged.groups)
     reserve = ctx.step_problem(main, targets, m).activation_reserve
     capacity = np.array([t.device_bytes for t in targets], dtype=float)
-    b0, b1 = ctx.batch, half
-
-    def admitted(a):
-        ev0, ev1 = evaluate(merged.problem, a), evaluate(merged_small.problem, a)
-        r0, r1 = np.array(ev0.resident_bytes), np.array(ev1.resident_bytes)
-        per_seq = np.maximum(r0 - r1, 0.0) / (b0 - b1)
-        shape = MemoryShape([t.name for t in targets], capacity, r0 - per_seq * b0 + reserve, per_seq,
-                            ctx.tokens_per_sequence)
-        n = admit(shape, ctx.admission, b0, m).max_seqs
-        if n < 1:
-            return None
-        cycle = ev1.cycle_s + (ev0.cycle_s - ev1.cycle_s) * (n - b1) / (b0 - b1)
-        return cycle * main.repeats / n
-    return admitted
-
-
-def _pipelines(layers: int, devices: int):
-    """(device order, cut positions) for every pipeline of 2..devices stages over ``layers`` layers."""
-    count = 0
-    for stages in range(2, min(devices, layers) + 1):
-        for order in itertools.permutations(range(devices), stages):
-            for cuts in itertools.combinations(range(1, layers), stages - 1):
-                count += 1
-                if count > MAX_PIPELINE_CANDIDATES:
-                    return
-                yield order, list(cuts)
+    return admitted_scorer(merged.problem, merged_small.problem, ctx.batch, half, m, main.repeats, capacity, reserve,
+                           ctx.tokens_per_sequence, [t.name for t in targets], ctx.admission)
 
 
 def _ranges(layers: list[int], cuts: list[int], names: list[str]) -> str:

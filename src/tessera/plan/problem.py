@@ -15,10 +15,12 @@ The two objectives (both in seconds):
 * **latency**: the critical path of one micro-batch: compute plus the transfers of cut edges on it.
 
 Both count a critical path over the dependency graph (plus the transfers of cut loop edges): kernels
-without a path between them may overlap even on one device. Reported plans
-(:mod:`tessera.plan.step_evaluation`) also bound a micro-batch's step by the busiest device's serial work,
-which leaves every throughput cycle unchanged (M x busiest device already bounds it) and makes
-reported latencies no shorter than one device's work.
+without a path between them may overlap even on one device. They are therefore lower bounds, not the
+figures plans report: :mod:`tessera.plan.step_evaluation` list-schedules the step as the runtime runs it
+(each device's kernels one after another), and for every assignment its cycle is at least the throughput
+objective and its critical path at least the latency objective (`tests/plan/test_objective_bound.py`); it
+is often above them (``test_evaluate_by_hand`` in `tests/plan/test_fold.py`: a cycle of 11 s against an objective of 9 s). The
+solver minimises the bound and every plan is compared on the evaluation.
 
 Memory (optional): ``items`` are resident objects (weights, state) with bytes; an item lives on every
 device that runs a kernel reading it, and each device's items must fit its ``capacity``.
@@ -27,6 +29,7 @@ device that runs a kernel reading it, and each device's items must fit its ``cap
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -130,6 +133,27 @@ class PlacementProblem:
     def kernels(self) -> int:
         return self.times.shape[0]
 
+    @cached_property
+    def edge_arrays(self) -> EdgeArrays:
+        """The edges, loop edges and memory reads as arrays (built once; a problem is not changed after it is
+        built)."""
+        preds: list[list[tuple[int, int]]] = [[] for _ in range(self.kernels)]
+        for n, (src, dst, _) in enumerate(self.edges):
+            preds[dst].append((n, src))
+        loops = self.loop_edges
+        items, read_kernel, read_item = np.zeros(0, dtype=int), np.zeros(0, dtype=int), np.zeros(0, dtype=int)
+        if self.memory is not None:
+            readers = self.memory.readers()
+            items = np.array(list(readers), dtype=int)
+            position = {w: i for i, w in enumerate(readers)}
+            read_kernel = np.array([k for w, ks in readers.items() for k in ks], dtype=int)
+            read_item = np.array([position[w] for w, ks in readers.items() for _ in ks], dtype=int)
+        return EdgeArrays(np.array([e[0] for e in self.edges], dtype=int), np.array([e[1] for e in self.edges], dtype=int),
+                          np.array([e[2] for e in self.edges], dtype=float), np.asarray(self.messages, dtype=float),
+                          np.array([e[0] for e in loops], dtype=int), np.array([e[1] for e in loops], dtype=int),
+                          np.array([e[2] for e in loops], dtype=float), np.array([e[3] for e in loops], dtype=float),
+                          preds, items, read_kernel, read_item)
+
     def transfer_time(self, nbytes: float, src: int, dst: int, messages: float = 1.0) -> float:
         """Seconds to move ``nbytes`` from device src to dst in ``messages`` messages (0 on the same device)."""
         if src == dst:
@@ -141,6 +165,27 @@ class PlacementProblem:
         m = messages * self.latency + nbytes / self.bandwidth
         np.fill_diagonal(m, 0.0)
         return m
+
+
+@dataclass(frozen=True)
+class EdgeArrays:
+    """A problem's edges (``src``, ``dst``, ``nbytes``, ``messages``), loop edges and memory reads as arrays,
+    for the vectorised evaluators; ``preds[k]``: (edge number, producer) of kernel k's incoming edges;
+    ``items``: items with readers in :meth:`MemorySpec.readers` order, ``read_kernel``/``read_item``: each
+    read's kernel and its item's position in ``items``."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    messages: np.ndarray
+    loop_src: np.ndarray
+    loop_dst: np.ndarray
+    loop_bytes: np.ndarray
+    loop_messages: np.ndarray
+    preds: list[list[tuple[int, int]]]
+    items: np.ndarray
+    read_kernel: np.ndarray
+    read_item: np.ndarray
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tessera.plan.enumerate import busy_times, critical_paths, link_loads, memory_fits, memory_use
+from tessera.plan.enumerate import busy_times, critical_paths, fits, link_loads, memory_use
 from tessera.plan.problem import PlacementProblem
 
 
@@ -50,14 +50,15 @@ def evaluate(problem: PlacementProblem, assignment: tuple[int, ...] | list[int])
     cp = float(max(critical_paths(problem, one)[0], busy.max(initial=0.0) / m + loops, sched.one_s + loops))
     cut = [(src, dst, nbytes) for src, dst, nbytes in problem.edges if a[src] != a[dst]]
     cut += [(src, dst, nbytes) for src, dst, nbytes, _ in problem.loop_edges if a[src] != a[dst]]
-    resident = memory_use(problem, one)[0]
+    use = memory_use(problem, one)
+    resident = use[0]
     # M micro-batches run either as one step in segment order, or streamed with the next steps: the better
     streamed = max(cp, sched.stream_s)
     together = sched.all_s + loops
     cycle = float(max(busy.max(initial=0.0), link.max(initial=0.0), min(streamed, together)))
     return StepEvaluation(cycle, cp, tuple(busy.tolist()), tuple(tuple(r) for r in link.tolist()), len(cut),
                           m * sum(nbytes for *_, nbytes in cut), tuple(resident.tolist()),
-                          bool(memory_fits(problem, one)[0]))
+                          bool(fits(problem, use)[0]))
 
 
 @dataclass(frozen=True)

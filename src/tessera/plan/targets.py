@@ -14,8 +14,7 @@ from math import gcd
 from tessera.errors import TesseraError
 from tessera.hardware.catalog import HOST_ID, DeviceSpec
 from tessera.hardware.cluster import SAME_DEVICE, Cluster, Link
-
-MEMORY_USABLE = 0.90  # of a GPU's memory: the rest is the CUDA context, allocator slack and workspaces
+from tessera.plan.config import DEFAULT_MEMORY_UTILIZATION
 
 
 class TargetError(TesseraError, ValueError):
@@ -40,10 +39,10 @@ class Target:
             return self.members[0]
         return self.spec.id if self.size == 1 else f"{self.spec.id}x{self.size}"
 
-    @property
-    def memory_bytes(self) -> float:
-        """Bytes usable for weights, state and activations, over all the target's GPUs."""
-        return self.spec.memory_bytes * MEMORY_USABLE * self.size
+    def usable_bytes(self, utilization: float = DEFAULT_MEMORY_UTILIZATION) -> float:
+        """Bytes an engine may use for weights, state and activations over all the target's GPUs: the
+        ``utilization`` share of their memory (:func:`usable_memory`)."""
+        return usable_memory(self.device_bytes, utilization)
 
     @property
     def device_bytes(self) -> float:
@@ -54,6 +53,13 @@ class Target:
     def price(self, scenario: str = "relative") -> float:
         """Price per hour of all the target's GPUs."""
         return self.spec.price(scenario) * self.size
+
+
+def usable_memory(device_bytes, utilization: float = DEFAULT_MEMORY_UTILIZATION):
+    """The memory an engine may use of ``device_bytes`` (a number or an array): its ``utilization`` share,
+    as vLLM's ``gpu_memory_utilization`` (the rest is the CUDA context, allocator slack and workspaces).
+    Every plan, admission and bound counts usable memory through this one function."""
+    return device_bytes * utilization
 
 
 def replica_counts(cluster: Cluster, types: list[str] | None = None) -> list[int]:

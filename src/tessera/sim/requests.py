@@ -116,7 +116,7 @@ def _timer(ctx: PlanContext, steps: list[StepPlan], targets: list[Target], feedb
            link: Link | None) -> StepTimer:
     """The step timer of these step plans on these targets, shared by every simulation in ``ctx`` (a rate
     sweep times each bucket once)."""
-    timers = ctx.__dict__.setdefault("_step_timers", {})
+    timers = ctx.cache.step_timers
     key = (tuple(t.members for t in targets), feedback_s, link,
            tuple((s.phase, s.graph_hash, s.micro_batches, tuple(s.assignment), str(sorted(s.expert_parts.items())))
                  for s in steps))
