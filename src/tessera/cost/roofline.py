@@ -62,9 +62,10 @@ def _output_tiles(f: KernelFeatures) -> int:
 
 def split_k(f: KernelFeatures, device: DeviceSpec) -> int:
     """Into how many slices of K a dense GEMM is split: one whose output tiles fill less than one wave of
-    the SMs is split (cuBLAS/CUTLASS split-K, as the decode GEMMs of the calibration runs are: their A100
-    kernels include ``splitKreduce``) until the slices fill the SMs, each slice at least
-    ``SPLIT_K_MIN_DEPTH`` deep. 1 for everything else."""
+    the SMs is split until the slices fill the SMs, each slice at least ``SPLIT_K_MIN_DEPTH`` deep; 1 for
+    everything else. It stands for what the libraries do with an under-filled GEMM (split-K or smaller
+    tiles: the calibration runs' decode GEMMs show ``splitKreduce`` after the A100's router GEMM, 64x64 tiles
+    for its QKV and o_proj, 32x32 tiles on the L40S), so that such a GEMM streams its weights."""
     if device.vendor == "host" or f.gemm is None or f.cost_class != "gemm":
         return 1
     tiles = _output_tiles(f)
