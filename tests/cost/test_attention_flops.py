@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tessera.kernels  # noqa: F401  (registers torch.ops.tessera.*)
-from tessera.graph.opclass import causal_pairs, flops_of
+from tessera.graph.opclass import FUSED, causal_pairs, flops_of
 
 AT = torch.ops.aten
 TS = torch.ops.tessera
@@ -53,3 +53,18 @@ def test_sdpa_is_causal_counts_half_the_square(op, args, kwargs):
     causal = flops_of(op, (q, q, q, *args), kwargs, None)
     assert full == 2 * 2 * 4 * 256 * 16 == 65536
     assert causal == 2 * 2 * 4 * 136 * 16 == 34816
+
+
+def test_decode_attention_window_caps_kv_bytes():
+    """A sliding-window layer reads the window's keys and values of its slot, as its FLOPs count, not the slot."""
+    q = torch.empty(2, 4, 1, 8, dtype=torch.bfloat16, device="meta")
+    cache = torch.empty(8, 2, 32, 8, dtype=torch.bfloat16, device="meta")  # [slots, kv_heads, ctx=32, head_dim]
+    slots = torch.empty(2, dtype=torch.int64, device="meta")
+    out = torch.empty(2, 1, 4, 8, dtype=torch.bfloat16, device="meta")
+    args = (q, cache, cache, slots, slots, 0.1)
+    traffic = FUSED["decode_attention"].traffic
+    q_and_indices = 2 * 4 * 8 * 2 + 2 * 2 * 8
+    slot = 2 * 32 * 8 * 2 * 2  # K and V of one slot: 2 heads x 32 positions x 8 dims x 2 bytes, twice
+    assert traffic((*args, 0, None), {}, out) == (q_and_indices + 2 * slot, 2 * 4 * 8 * 2)
+    assert traffic((*args, 8, None), {}, out) == (q_and_indices + 2 * slot // 4, 2 * 4 * 8 * 2)
+    assert traffic((*args, 64, None), {}, out) == traffic((*args, 0, None), {}, out)  # window > ctx

@@ -13,7 +13,7 @@ from tessera.cost.features import FeatureExtractor, KernelFeatures, cost_class
 from tessera.cost.model import CostModel, ProfileDeviceError
 from tessera.cost.options import CostOptionError, CostOptions
 from tessera.cost.profile import KernelTiming, Profile, kernel_signature
-from tessera.cost.roofline import compute_path, kernel_time, wave_utilisation
+from tessera.cost.roofline import compute_path, kernel_time, split_k, split_k_bytes, wave_utilisation
 from tessera.hardware.devices import resolve_device
 
 runner = CliRunner()
@@ -76,6 +76,25 @@ def test_wave_quantisation_over_sms():
     a100 = resolve_device("A100")  # 108 SMs, 128x128 tiles
     assert wave_utilisation(gemm(128 * 108, 128, 64), a100) == pytest.approx(1.0)
     assert wave_utilisation(gemm(128 * 109, 128, 64), a100) == pytest.approx(109 / 216)
+
+
+def test_gemms_under_one_wave_split_k_to_fill_the_sms():
+    a100, l40s = resolve_device("A100"), resolve_device("L40S")
+    k_proj = gemm(64, 1024, 4096)  # a decode k_proj: 8 output tiles for 108 SMs
+    assert split_k(k_proj, a100) == 13 and wave_utilisation(k_proj, a100) == pytest.approx(104 / 108)
+    assert split_k_bytes(k_proj, a100) == 2 * 13 * 64 * 1024 * 4  # FP32 partials written and read back
+    assert split_k(gemm(64, 1024, 512), a100) == 2  # slices at least 256 deep
+    assert split_k(gemm(4096, 4096, 4096), a100) == 1  # a full wave or more: no split
+    assert split_k(gemm(64, 1024, 4096, "gemv"), a100) == 1
+    # 64 rows stream their weights on both parts: merging q, k and v into one GEMM changes the time by the
+    # floors it saves and the smaller GEMMs' extra partial sums (a few per cent, in L2), not the bytes-bound
+    # time, so the parts' ratio does not depend on the graph's fusion (unsplit, the A100 k_proj was
+    # compute-bound at 7% of its SMs: 4.5x its weight-streaming time)
+    for dev in (a100, l40s):
+        merged = kernel_time(gemm(64, 6144, 4096), dev, EFF)
+        parts = [kernel_time(gemm(64, n, 4096), dev, EFF) for n in (4096, 1024, 1024)]
+        assert {merged.bound} | {p.bound for p in parts} == {"memory"}
+        assert merged.time_s - merged.floor_s == pytest.approx(sum(p.time_s - p.floor_s for p in parts), rel=0.08)
 
 
 def test_tensor_paths_only_where_the_part_has_them():

@@ -115,9 +115,13 @@ def test_routes_share_weights_once_and_must_fit_their_state():
     assert not fit_together([ra, rb])  # 6 + 10 + 3 + 1 + 1 = 21 > 20
 
 
+MARGIN = 0.10  # above this case's planned mix gain (about 5%), so Tessera declines the mix
+
+
 @pytest.fixture(scope="module")
 def smollm2_mix():
-    ctx = PlanContext("smollm2-135m", parse_cluster("A100:1,L40S:1"), parse_workload(WORKLOAD), WORKLOAD)
+    ctx = PlanContext("smollm2-135m", parse_cluster("A100:1,L40S:1"), parse_workload(WORKLOAD), WORKLOAD,
+                      mix_min_gain=MARGIN)
     plans = compare(ctx)
     return ctx, plans, route_mix(ctx, "throughput", plans)
 
@@ -127,10 +131,10 @@ def test_a_mix_of_routes_beats_every_baseline_and_tessera_adopts_it_only_past_th
     routes = tess.extra.get("routes")
     assert routes and len(routes) == 2 and [r["engine"] for r in routes] == [0, 1], tess.reason
     best = max(p.throughput for p in plans[:-1] if p.feasible)
-    assert best * 1.01 < tess.throughput < best * (1 + MIX_MIN_GAIN)
+    assert best * 1.01 < tess.throughput < best * (1 + MARGIN)
     # below the margin Tessera keeps the best single engine and says what it did not adopt
     assert plans[-1].throughput == best and "routes" not in plans[-1].extra
-    assert plans[-1].summary()["mix_declined"] == plans[-1].extra["mix_declined"] == (f"{tess.reason} planned {tess.throughput / best - 1:+.1%}, below the 5% "
+    assert plans[-1].summary()["mix_declined"] == plans[-1].extra["mix_declined"] == (f"{tess.reason} planned {tess.throughput / best - 1:+.1%}, below the 10% "
                                                "a mix must gain over one engine (--mix-min-gain)")
     rates = np.array([r["rate"] for r in routes])
     assert tess.throughput == pytest.approx(ctx.outputs_per_request * rates.sum())
@@ -201,7 +205,7 @@ def test_a_lower_margin_adopts_the_mix_and_its_plan_names_three_engines_on_two_d
         ctx.mix_min_gain = 0.5
         assert adopt_mix(ctx, single, mix) is single and "(--mix-min-gain)" in single.extra["mix_declined"]
     finally:
-        ctx.mix_min_gain = MIX_MIN_GAIN
+        ctx.mix_min_gain = MARGIN
     assert tess is mix and tess.extra["routes"]
     (tess,) = with_bound(ctx, [tess])  # as the planner finishes every plan: the bound and the engine layout
     layout = tess.layout

@@ -98,10 +98,15 @@ def _(q, k, v, lengths, scale):
 
 
 def _decode_traffic(args, kwargs, out) -> tuple[int, int]:
-    """Each row reads its own cache slot (K and V), not the whole cache the op is given."""
+    """Each row reads its own cache slot (K and V), not the whole cache the op is given; with a sliding
+    window only the window's last ``window`` positions of it (as its FLOPs count, graph.opclass)."""
     q, k_cache, v_cache, slots, positions = args[:5]
     rows = slots.numel()
     per_row = (k_cache[0].numel() * k_cache.element_size() + v_cache[0].numel() * v_cache.element_size())
+    window = int((args[6] if len(args) > 6 else kwargs.get("window", 0)) or 0)
+    ctx = k_cache.shape[2]
+    if 0 < window < ctx:
+        per_row = per_row * window // ctx
     read = q.numel() * q.element_size() + rows * per_row + (slots.numel() + positions.numel()) * slots.element_size()
     sinks = args[7] if len(args) > 7 else kwargs.get("sinks")
     if sinks is not None:
