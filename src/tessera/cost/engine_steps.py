@@ -78,6 +78,11 @@ class EngineStepTimes:
         object.__setattr__(self, "decode", tuple(sorted((int(r), int(c), float(s)) for r, c, s in self.decode)))
         object.__setattr__(self, "batched", tuple(sorted((int(k), int(n), float(s)) for k, n, s in self.batched)))
         object.__setattr__(self, "_fit", _fit_prefill(self.prefill, self.batched))
+        by_rows: dict[int, tuple[list[int], list[float]]] = {}  # rows -> (contexts, seconds): grouped once
+        for r, c, sec in self.decode:
+            by_rows.setdefault(r, ([], []))[0].append(c)
+            by_rows[r][1].append(sec)
+        object.__setattr__(self, "_by_rows", by_rows)
 
     @property
     def prefill_fit(self) -> PrefillFit:
@@ -93,11 +98,8 @@ class EngineStepTimes:
     def decode_s(self, rows: int, ctx: float) -> float:
         """A decode step of ``rows`` rows at mean context ``ctx``: linear in context at each measured row
         count, then linear in rows (extended along the outer segments)."""
-        by_rows: dict[int, list[tuple[int, float]]] = {}
-        for r, c, s in self.decode:
-            by_rows.setdefault(r, []).append((c, s))
-        row_points = sorted(by_rows)
-        at = [(r, _linear([c for c, _ in by_rows[r]], [s for _, s in by_rows[r]], ctx)) for r in row_points]
+        by_rows = self._by_rows  # type: ignore[attr-defined]
+        at = [(r, _linear(*by_rows[r], ctx)) for r in sorted(by_rows)]
         if len(at) == 1:  # one row count measured: scale by the prefill's cost per token
             r0, s0 = at[0]
             return s0 + self.prefill_fit.per_token * (rows - r0)

@@ -77,9 +77,8 @@ def _handoff_s(plan: DeploymentPlan, engine: PlannedEngine) -> float:
     moves = plan.state_moves
     if not moves:
         for route in plan.extra.get("routes") or []:
-            moves = [m for m in route.get("state_moves", [])]
-            if moves:
-                return sum(float(m["seconds_per_request"]) for m in moves)
+            if route.get("state_moves"):
+                return sum(float(m["seconds_per_request"]) for m in route["state_moves"])
     return sum(m.seconds_per_request for m in moves)
 
 

@@ -88,18 +88,20 @@ class EngineSim:
     steps: int = 0
     busy_s: float = 0.0
     preemptions: int = 0
+    used_blocks: int = 0  # the running requests' blocks, kept as they change (checked once per request a step)
 
     @property
     def free_blocks(self) -> float:
         if self.kv_blocks is None:
             return float("inf")
-        return self.kv_blocks - sum(r.blocks for r in self.running)
+        return self.kv_blocks - self.used_blocks
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def _preempt(self, victim: SimRequest) -> None:
         self.running.remove(victim)
+        self.used_blocks -= victim.blocks
         victim.blocks = 0
         victim.recompute = victim.generated if victim.last_hop else 0
         victim.computed = victim.prompt - 1 if victim.hop > 0 else 0  # a handed-on cache is loaded again
@@ -128,6 +130,7 @@ class EngineSim:
             if req not in self.running:
                 continue
             req.blocks += max(need, 0)
+            self.used_blocks += max(need, 0)
             out.append((req, n))
             budget -= n
         if preempted:
@@ -144,6 +147,7 @@ class EngineSim:
                 self.waiting.appendleft(req)
                 break
             req.blocks = need
+            self.used_blocks += need
             self.running.append(req)
             out.append((req, n))
             budget -= n
@@ -173,6 +177,7 @@ class EngineSim:
                 req.first_s = now
             if req.generated >= req.target_output:
                 self.running.remove(req)
+                self.used_blocks -= req.blocks
                 req.blocks = 0
                 leaving.append(req)
         self.step = None
