@@ -36,7 +36,9 @@ MODEL = "smollm2-135m"
 WORKLOADS = ("fixed:in=64,out=32,requests=32", "fixed:in=256,out=128,requests=64")
 WARM_UP = "fixed:in=64,out=16,requests=8"
 MIX_PLAN = ROOT / "tests" / "fixtures" / "plans" / "smollm2-135m_A100_L40S_mix.json"
-VLLM = ["--engine", "vllm", "--no-prefix-caching", "--max-context", "1024"]
+# the plan's shares (throughput) throughout: the benches load every route; `--shares auto` would start on the
+# fastest route alone
+VLLM = ["--engine", "vllm", "--no-prefix-caching", "--max-context", "1024", "--shares", "throughput"]
 DEPLOYMENTS = {
     "vllm-1": ["--cluster", "cpu:1", *VLLM, "--policy", "homogeneous", "--placement-for", "A100:1"],
     "vllm-1-core": ["--cluster", "cpu:1", "--threads", "1", *VLLM, "--policy", "homogeneous", "--placement-for",

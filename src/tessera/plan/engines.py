@@ -47,6 +47,7 @@ class _Part:
     admission: EngineAdmission | None
     memory: dict[str, float] = field(default_factory=dict)  # target -> planned bytes of one replica
     group: int = 0  # parts of one group that decode on one device are one engine there (a one-engine mix)
+    latency_s: float | None = None  # its planned request latency
 
 
 def engine_layout(plan: DeploymentPlan, cluster: Cluster, memory_utilization: float,
@@ -89,8 +90,8 @@ def engine_layout(plan: DeploymentPlan, cluster: Cluster, memory_utilization: fl
             nodes=tuple(n for _, n in ids), max_num_seqs=adm.max_seqs if adm else max(s.batch for s in part.steps),
             kv_tokens=adm.kv_tokens if adm else None, block_size=adm.block_size if adm else 16,
             memory_fraction=round(fraction, 4)))
-    planned = [PlannedRoute(_route_name(part, r), part.share / part.replicas, tuple(names[h] for h in hops))
-               for part, r, hops in routes]
+    planned = [PlannedRoute(_route_name(part, r), part.share / part.replicas, tuple(names[h] for h in hops),
+                            part.latency_s) for part, r, hops in routes]
     return EngineLayout(tuple(engines), tuple(planned))
 
 
@@ -106,7 +107,7 @@ def _parts(plan: DeploymentPlan, objective: str) -> list[_Part]:
         total = sum(p["throughput"] for p in plan.extra["replicas"]) or 1.0
         return [_Part(_label(p), [s for s in steps if s.solver.get("replica_of") == p["device"]], list(p["targets"]),
                       p["replicas"], p["throughput"] / total, _admission(p.get("admission")),
-                      _memory(p["targets"], p.get("memory_gb")), group=k)
+                      _memory(p["targets"], p.get("memory_gb")), group=k, latency_s=p.get("latency_s"))
                 for k, p in enumerate(plan.extra["replicas"])]
     if plan.extra.get("routes"):
         out = []
@@ -114,10 +115,10 @@ def _parts(plan: DeploymentPlan, objective: str) -> list[_Part]:
             mine = [s for s in steps if s.solver.get("route_of") == k]
             out.append(_Part(_label(route), mine, list(route["targets"]), 1, float(route["share"]),
                              _admission(route.get("admission")), _memory(route["targets"], route.get("memory_gb")),
-                             group=int(route.get("engine", k))))
+                             group=int(route.get("engine", k)), latency_s=route.get("latency_s")))
         return out
     return [_Part(_label(plan.summary()), steps, list(plan.targets), max(plan.replicas, 1), 1.0, plan.admission,
-                  dict(zip(plan.targets, plan.memory_bytes, strict=False)))]
+                  dict(zip(plan.targets, plan.memory_bytes, strict=False)), latency_s=plan.latency_s)]
 
 
 def _label(summary: dict[str, Any]) -> str:
