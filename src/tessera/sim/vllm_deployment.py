@@ -13,6 +13,7 @@ from dataclasses import replace
 from tessera.cost.engine_steps import EngineStepTimes
 from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DECODE, DeploymentPlan, PlannedEngine, StepPlan
+from tessera.plan.engines import engine_parts
 from tessera.plan.targets import Target, cluster_targets
 from tessera.sim.step_timer import StepTimer
 from tessera.sim.vllm_engines import EngineSim, SimRoute, VLLMSimResult, VLLMSimulationError, simulate_vllm
@@ -74,11 +75,7 @@ def _handoff_s(plan: DeploymentPlan, engine: PlannedEngine) -> float:
     """The KV handoff into a decode engine per request: the plan's state moves at its mean prompt."""
     if DECODE not in engine.roles:
         return 0.0
-    moves = plan.state_moves
-    if not moves:
-        for route in plan.extra.get("routes") or []:
-            if route.get("state_moves"):
-                return sum(float(m["seconds_per_request"]) for m in route["state_moves"])
+    moves = next((p.state_moves for p in engine_parts(plan) if p.state_moves), [])
     return sum(m.seconds_per_request for m in moves)
 
 
