@@ -1,4 +1,4 @@
-"""`tessera.router.shares.ShareSwitch` and the route table under it: on the latency shares every request takes
+"""`tessera.plan.shares.ShareSwitch` and the route table under it: on the latency shares every request takes
 the route of the lowest planned latency; once the requests in flight fill that route's engine the table switches
 to the plan's shares (and its round robin keeps them from there), and back below the hysteresis; the cool-down
 holds a switch back; a closed fastest route sends the latency shares' requests along the open routes; fixed
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tessera.plan.deployment import DECODE, PREFILL, WHOLE, PlannedEngine, PlannedRoute
-from tessera.router.shares import ShareSwitch, ShareSwitchError
+from tessera.plan.shares import ShareSwitch, ShareSwitchError
 from tessera.router.table import Endpoint, RouteTable
 
 

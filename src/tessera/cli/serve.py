@@ -159,8 +159,8 @@ def _serve_vllm(model, cluster, policy, plan_file, placement_for, mix_min_gain, 
     from tessera.cli.engines import serve_vllm
     from tessera.engines.vllm import default_python
     from tessera.plan.config import check_policy
+    from tessera.plan.shares import SHARE_MODES
     from tessera.router.launch import VLLMServeConfig
-    from tessera.router.shares import SHARE_MODES
 
     try:
         check_policy(policy)

@@ -56,7 +56,7 @@ class RouterStats:
 @dataclass
 class RouterOptions:
     """The router's settings: the model id it serves, the API key, body limit, how many requests it forwards
-    at once, how long one forwarded request may take, and which route shares it uses (`tessera.router.shares`:
+    at once, how long one forwarded request may take, and which route shares it uses (`tessera.plan.shares`:
     auto, throughput or latency) with the least time between two switches."""
 
     model_id: str

@@ -21,8 +21,8 @@ from tessera.engines.process import Supervisor
 from tessera.engines.vllm import VLLMOptions, VLLMSetupError, check_python
 from tessera.errors import TesseraError
 from tessera.plan.deployment import DeploymentPlan, PlannedEngine, PlannedRoute
+from tessera.plan.shares import ShareSwitch
 from tessera.router.app import Router, RouterOptions
-from tessera.router.shares import ShareSwitch
 from tessera.router.table import Endpoint, RouteTable
 
 
@@ -30,7 +30,7 @@ from tessera.router.table import Endpoint, RouteTable
 class VLLMServeConfig:
     """What `tessera serve --engine vllm` starts: the model, ``cpu:N`` workers, the plan (a file, or a policy
     planned for ``placement_for`` or the workers), the vLLM environment's interpreter, the engines' options,
-    where their logs go, and the router's route shares (`tessera.router.shares`) with their cool-down."""
+    where their logs go, and the router's route shares (`tessera.plan.shares`) with their cool-down."""
 
     model: str
     cluster: str = "cpu:2"

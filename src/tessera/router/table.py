@@ -7,7 +7,7 @@ prefill-decode route whose prefill engine is down stays open as a whole request 
 engine computes the prompt itself: a fallback, counted); a route whose last engine is down is closed and
 its share goes to the open ones. Where several routes are open with equal standing the one whose engines
 have the fewest requests in flight goes first. Which shares apply, the plan's or all on its fastest route, is
-the share switch's choice (`tessera.router.shares`), looked at on every pick.
+the share switch's choice (`tessera.plan.shares`), looked at on every pick.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tessera.plan.deployment import DECODE, PREFILL, PlannedEngine, PlannedRoute
-from tessera.router.shares import ShareSwitch, key
+from tessera.plan.shares import ShareSwitch, SmoothRoundRobin, key
 
 
 @dataclass
@@ -71,7 +71,7 @@ class RouteTable:
     switch: ShareSwitch | None = None
     clock: Callable[[], float] = time.monotonic
     in_flight: int = 0  # requests picked and not yet released
-    _credit: dict[str, float] = field(default_factory=dict)
+    _robin: SmoothRoundRobin = field(default_factory=SmoothRoundRobin)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -81,7 +81,6 @@ class RouteTable:
                 raise ValueError(f"route {r.name} visits {', '.join(missing)}, which the deployment has no endpoint for")
             if len(r.hops) not in (1, 2):
                 raise ValueError(f"route {r.name} has {len(r.hops)} hops; a route is one engine, or prefill then decode")
-        self._credit = {key(r): 0.0 for r in self.routes}
 
     def hops(self, route: PlannedRoute) -> Hops | None:
         """How ``route`` runs now: its planned hops, a fallback to its decode engine alone, or None (closed)."""
@@ -106,16 +105,13 @@ class RouteTable:
             if not open_:
                 raise NoRoute(self.closed_reason())
             shares = self._shares()
-            chosen = [(r, h) for r, h in open_ if shares[key(r)] > 0]
+            chosen = {key(r): (r, h) for r, h in open_ if shares[key(r)] > 0}
             if not chosen:  # the latency shares' one route is closed: the plan's shares over the open routes
                 shares = {key(r): r.share for r in self.routes}
-                chosen = open_
-            total = sum(shares[key(r)] for r, _ in chosen) or 1.0
-            for r, _ in chosen:
-                self._credit[key(r)] += shares[key(r)] / total
-            r, h = max(chosen, key=lambda x: (self._credit[key(x[0])],
-                                              -sum(self.endpoints[n].in_flight for n in x[1].names)))
-            self._credit[key(r)] -= 1.0
+                chosen = {key(r): (r, h) for r, h in open_}
+            k = self._robin.pick({k: shares[k] for k in chosen},
+                                 tie=lambda k: sum(self.endpoints[n].in_flight for n in chosen[k][1].names))
+            r, h = chosen[k]
             for name in h.names:
                 self.endpoints[name].in_flight += 1
             self.in_flight += 1
@@ -126,7 +122,7 @@ class RouteTable:
         if self.switch is None:
             return {key(r): r.share for r in self.routes}
         if self.switch.observe(self.clock(), self.in_flight) is not None:
-            self._credit = dict.fromkeys(self._credit, 0.0)  # the new shares' round robin starts afresh
+            self._robin.reset()  # the new shares' round robin starts afresh
         return self.switch.shares()
 
     def release(self, hops: Hops, prefill_only: bool = False) -> None:

@@ -14,6 +14,7 @@ from tessera.cost.engine_steps import EngineStepTimes
 from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DECODE, DeploymentPlan, PlannedEngine, StepPlan
 from tessera.plan.engines import engine_parts
+from tessera.plan.shares import ShareSwitch
 from tessera.plan.targets import Target, cluster_targets
 from tessera.sim.step_timer import StepTimer
 from tessera.sim.vllm_engines import EngineSim, SimRoute, VLLMSimResult, VLLMSimulationError, simulate_vllm
@@ -65,10 +66,18 @@ def vllm_engines(ctx: PlanContext, plan: DeploymentPlan, measured: EngineStepTim
 
 
 def simulate_on_vllm(ctx: PlanContext, plan: DeploymentPlan, seed: int = 0, progress=None,
-                     predicted: dict[tuple[str, int], EngineStepTimes] | None = None) -> VLLMSimResult:
-    """``ctx``'s workload served by ``plan``'s engines on vLLM, every step predicted (`vllm_engines`)."""
+                     predicted: dict[tuple[str, int], EngineStepTimes] | None = None,
+                     shares: str = "auto") -> VLLMSimResult:
+    """``ctx``'s workload served by ``plan``'s engines on vLLM, every step predicted (`vllm_engines`), the
+    router choosing route shares as ``shares`` says (`tessera.plan.shares`)."""
     engines, routes = vllm_engines(ctx, plan, progress=progress, predicted=predicted)
-    return simulate_vllm(engines, routes, draw_requests(ctx.workload, seed))
+    return simulate_vllm(engines, routes, draw_requests(ctx.workload, seed), share_switch(plan, shares))
+
+
+def share_switch(plan: DeploymentPlan, shares: str) -> ShareSwitch:
+    """The router's share switch over ``plan``'s routes (``shares``: auto, throughput or latency)."""
+    layout = plan.layout
+    return ShareSwitch(list(layout.routes), {e.name: e for e in layout.engines}, shares)
 
 
 def _handoff_s(plan: DeploymentPlan, engine: PlannedEngine) -> float:

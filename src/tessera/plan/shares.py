@@ -1,7 +1,10 @@
-"""Which shares the router sends requests by: the plan's (throughput) or all on its fastest route (latency).
+"""Which shares requests take a plan's routes by: the plan's (throughput) or all on its fastest route
+(latency), and the smooth weighted round robin that keeps them. The router (`tessera.router.table`) and the
+vLLM simulator (`tessera.sim.vllm_engines`) send requests by these same rules.
 
-The router's counterpart of `tessera serve`'s online monitor (`tessera.serve.monitor`), which switches between
-the throughput and the latency objective's step plans: here the switch is between two sets of route shares.
+The share switch is the router's counterpart of `tessera serve`'s online monitor (`tessera.serve.monitor`),
+which switches between the throughput and the latency objective's step plans: here the switch is between two
+sets of route shares.
 
 - **throughput**: the plan's shares (``PlannedRoute.share``), which keep every route's engines busy at the
   planned rate: what a loaded deployment needs.
@@ -18,6 +21,7 @@ switches. A plan of one route, or whose routes say no latency, has nothing to sw
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from tessera.errors import TesseraError
@@ -107,8 +111,30 @@ class ShareSwitch:
 
 
 def key(route: PlannedRoute) -> str:
-    """A route's key in the router's tables: its name and hops (two routes may share a name)."""
+    """A route's key in the shares' tables: its name and hops (two routes may share a name)."""
     return route.name + "|" + "/".join(route.hops)
 
 
-__all__ = ["SHARE_MODES", "ShareChange", "ShareSwitch", "ShareSwitchError", "key"]
+@dataclass
+class SmoothRoundRobin:
+    """Smooth weighted round robin: after any n picks among candidates of fixed shares, each has been picked
+    within one of its share of n."""
+
+    credit: dict[Hashable, float] = field(default_factory=dict)
+
+    def pick(self, shares: dict[Hashable, float], tie: Callable[[Hashable], float] | None = None) -> Hashable:
+        """The candidate to take next among ``shares`` (candidate -> share, all positive); ``tie`` orders
+        candidates of equal credit (lowest first)."""
+        total = sum(shares.values()) or 1.0
+        for k, share in shares.items():
+            self.credit[k] = self.credit.get(k, 0.0) + share / total
+        chosen = max(shares, key=lambda k: (self.credit[k], -(tie(k) if tie else 0.0)))
+        self.credit[chosen] -= 1.0
+        return chosen
+
+    def reset(self) -> None:
+        """Start afresh (new shares)."""
+        self.credit.clear()
+
+
+__all__ = ["SHARE_MODES", "ShareChange", "ShareSwitch", "ShareSwitchError", "SmoothRoundRobin", "key"]
