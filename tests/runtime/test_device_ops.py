@@ -105,3 +105,42 @@ def test_cuda_busy_time_comes_from_events():
     timer.leave()
     assert len(timer.pairs) == 1
     assert timer.seconds() > 0.0
+
+
+def test_the_cuda_apis_the_worker_calls_exist_in_this_torch():
+    """The CUDA path cannot run here; the torch API it is written against is checked (names and keywords)."""
+    import inspect
+
+    graph_params = inspect.signature(torch.cuda.graph.__init__).parameters
+    assert {"pool", "capture_error_mode"} <= set(graph_params)
+    assert "enable_timing" in inspect.signature(torch.cuda.Event.__new__).parameters
+    for name in ("graph_pool_handle", "CUDAGraph", "Event", "Stream", "current_stream", "set_device", "stream",
+                 "synchronize"):
+        assert hasattr(torch.cuda, name), name
+    assert all(hasattr(torch.cuda.Event, a) for a in ("record", "query", "synchronize", "elapsed_time"))
+    assert all(hasattr(torch.cuda.Stream, a) for a in ("wait_event", "wait_stream"))
+    assert hasattr(torch.cuda.CUDAGraph, "replay") and hasattr(torch.Tensor, "record_stream")
+
+
+def test_a_cpu_worker_ignores_cuda_graphs_and_keeps_the_host_path():
+    from tessera.capture.build import instantiate
+    from tessera.capture.models import resolve_model
+    from tessera.capture.phases import StepShape, build_model, step_for
+    from tessera.capture.tiny import tiny_config
+    from tessera.capture.trace import trace
+    from tessera.graph.codec import dtype_from_name
+    from tessera.program.program import single_device_program
+    from tessera.runtime import commands as c
+    from tessera.runtime.worker import Worker, WorkerConfig
+
+    meta, values = instantiate(lambda: build_model("llm", tiny_config("llm")), "meta")
+    g = trace(step_for(resolve_model("smollm2-135m"), meta, values, "decode", StepShape(batch=1, seq=1, ctx=16),
+                       device="meta"))
+    weights = {n: torch.zeros(g.buffers[n].shape, dtype=dtype_from_name(g.buffers[n].dtype)) for n in g.weight_names()}
+    worker = Worker(WorkerConfig(0, "127.0.0.1", 0, 1, device="cpu", cuda_graphs=True), store=None)
+    worker.load(c.Load({"decode": c.PhaseLoad(g, single_device_program(g, "cpu"), [])}, None, weights, 1))
+    assert type(worker.ops) is HostOps and worker.graphs == {}
+    inputs = {"input_ids": torch.tensor([[3]]), "positions": torch.tensor([0]), "slots": torch.tensor([0])}
+    result = worker.step(c.Step("decode", [inputs], [0]))
+    assert result.outputs[0]["logits"].shape[-1] == g.buffers[g.outputs["logits"][0]].shape[-1]
+    assert 0.0 < result.compute_s <= result.seconds  # the host clock around each kernel

@@ -64,7 +64,7 @@ class SegmentGraph:
             (ins.kind == "run", ins.kernel if ins.kind == "run" else ins.buffer)
             for ins in program.instructions[segment.start: segment.stop]]
         self.buffers = set().union(*(kernel_buffers(graph, k) for k in segment.kernels))
-        self.state_kinds = {b for b in self.buffers if graph.buffers[b].kind == "state"}
+        self.state_buffers = {b for b in self.buffers if graph.buffers[b].kind == "state"}
         self.instance_buffer = program.state[0] if program.state else None
         self.pools = pools
         self.captured: dict[tuple, Captured] = {}
@@ -154,7 +154,7 @@ class SegmentGraph:
             if current is None:  # never written this step: eagerly it would read zeros
                 _bytes(static).zero_()
             elif current.data_ptr() != static.data_ptr():
-                if name in self.state_kinds:
+                if name in self.state_buffers:
                     _refuse(f"segment of kernels {self.segment.kernels[0]}..{self.segment.kernels[-1]}: state "
                             f"{name} is not the storage its graph was captured with")
                 if current.nbytes() != static.nbytes():
