@@ -85,8 +85,8 @@ def main() -> int:
 
 
 def _graphs(phases: int) -> dict:
-    """The prefill graph and decode graphs at batch 8, 4, 2, 1 (then 8 again at another cache) over one state of
-    8 slots: ``phases`` of them."""
+    """``phases`` graphs over one state of 8 slots: the prefill of one row, then decode at batch 8, 4, 2, 1, 3, 5,
+    6, 7 (serve's buckets are such a set)."""
     from tessera.capture.api import trace_model
 
     out = {"prefill": trace_model(MODEL, "prefill", batch=1, seq=PROMPT, ctx=CTX, slots=BATCH)}
