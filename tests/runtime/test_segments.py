@@ -5,13 +5,20 @@ derived independently from the transfers and the ops; no GPU needed."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tessera.capture.build import instantiate
 from tessera.capture.models import resolve_model
 from tessera.capture.phases import StepShape, build_model, step_for
 from tessera.capture.tiny import tiny_config
 from tessera.capture.trace import trace
-from tessera.program.program import Instruction, Program, build_programs, single_device_program
+from tessera.program.program import (
+    Instruction,
+    Program,
+    build_programs,
+    kernel_buffers,
+    single_device_program,
+)
 from tessera.runtime.segments import BLOCKED_OPS, Segment, capture_blocker, graph_segments
 
 
@@ -113,3 +120,70 @@ def test_blocked_ops_and_a_foreign_program_are_named(decode_graph):
     other = Program("cuda:0", "not-this-graph", [])
     with pytest.raises(ValueError, match="program was built for graph not-this-graph"):
         graph_segments(g, other)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_graph_opcodes_replace_each_segment_by_one_opcode_holding_exactly_its_instructions(decode_graph,
+                                                                                          micro_batches):
+    from tessera.runtime.cuda_graphs import SegmentGraph
+    from tessera.runtime.worker import _GRAPH, _KINDS, _graph_opcodes, _opcodes
+
+    g = decode_graph
+    sp = build_programs(g, _alternating(g), ["cuda:0", "cuda:1"], micro_batches)
+    for program in sp.programs:
+        plan = graph_segments(g, program)
+        pools: dict = {}
+        segments = [SegmentGraph(g, program, s, pools) for s in plan.segments]
+        opcodes = _graph_opcodes(_opcodes(program), segments)
+        assert [arg for code, arg, _ in opcodes if code == _GRAPH] == segments
+        expanded = []
+        for code, arg, m in opcodes:
+            if code == _GRAPH:
+                assert m == arg.segment.microbatch
+                expanded += [("run" if is_run else "free", a, m) for is_run, a in arg.steps]
+            else:
+                expanded.append((_KINDS[code], arg, m))
+        assert expanded == [(i.kind, i.kernel if i.kind == "run" else i.buffer if i.kind == "free" else i.transfer,
+                             i.microbatch) for i in program.instructions]
+        for seg in segments:
+            assert seg.buffers == set().union(*(kernel_buffers(g, k) for k in seg.segment.kernels))
+            assert seg.state_buffers == {b for b in seg.buffers if g.buffers[b].kind == "state"}
+            assert seg.instance_buffer == program.state[0] and seg.pools is pools
+
+
+def test_a_program_run_segment_by_segment_eagerly_equals_the_executor(decode_graph):
+    """The host can run each segment's instructions eagerly (what a CUDA worker does before capture): the
+    outputs are those of the whole program."""
+    from tessera.graph.codec import dtype_from_name
+    from tessera.runtime.cuda_graphs import SegmentGraph
+    from tessera.runtime.executor import Executor
+    from tessera.runtime.worker import _FREE, _GRAPH, _RUN, _graph_opcodes, _opcodes
+
+    g = decode_graph
+    program = single_device_program(g, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    weights = {n: (torch.randn(g.buffers[n].shape, generator=gen) * 0.2).to(dtype_from_name(g.buffers[n].dtype))
+               for n in g.weight_names()}
+    inputs = {"input_ids": torch.tensor([[3], [7]]), "positions": torch.tensor([2, 5]), "slots": torch.tensor([0, 1])}
+
+    def state():
+        return {s: torch.zeros(g.buffers[s].shape, dtype=dtype_from_name(g.buffers[s].dtype)) for s in g.state}
+
+    ref_state = state()
+    ref = Executor(g, program, weights).run(inputs, ref_state)
+    ex = Executor(g, program, weights)
+    mine = state()
+    ex.prepare(inputs, mine)
+    segments = [SegmentGraph(g, program, s, {}) for s in graph_segments(g, program).segments]
+    with torch.no_grad():
+        for code, arg, _ in _graph_opcodes(_opcodes(program), segments):
+            if code == _GRAPH:
+                arg.eager(ex)
+            elif code == _RUN:
+                ex.run_kernel(arg)
+            elif code == _FREE:
+                ex.free(arg)
+    got = ex.outputs()
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    assert all(torch.equal(mine[s], ref_state[s]) for s in g.state)
+    assert [s.eager_runs for s in segments] == [1] and segments[0].warm
