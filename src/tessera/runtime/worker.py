@@ -63,7 +63,7 @@ from tessera.runtime.cuda_graphs import GraphStats, SegmentGraph, graph_stats
 from tessera.runtime.device_ops import device_ops
 from tessera.runtime.probe import message_burst, ping_pong, time_program, zero_state
 from tessera.runtime.segments import graph_segments
-from tessera.runtime.wire import decode, encode, pack, unpack
+from tessera.runtime.wire import decode, encode, unpack
 
 HEARTBEAT_S = 0.2
 
@@ -240,20 +240,25 @@ class Worker:
     def move(self, cmd: Move) -> Moved:
         """Explicit state moves: send or receive byte ranges of state buffers (per micro-batch)."""
         works, moved = [], 0
+        ops = self.ops  # host staging as in steps (pinned buffers on a CUDA device)
+        ops.begin_step()
         for mv in cmd.moves:
             storages = {mv.buffer: self.state[mv.microbatch][mv.buffer].untyped_storage()}
             pieces = (Piece(mv.buffer, tuple(mv.spans)),)
             moved += pieces[0].nbytes
             if mv.send:
-                works.append((self.pg.send([pack(storages, pieces)], mv.peer, mv.tag), None))
+                out = ops.stage(storages, pieces)
+                out.wait()
+                works.append((self.pg.send([out.flat], mv.peer, mv.tag), None))
             else:
-                flat = torch.empty(pieces[0].nbytes, dtype=torch.uint8)
+                flat = ops.recv_buffer(pieces[0].nbytes)
                 works.append((self.pg.recv([flat], mv.peer, mv.tag), (storages, pieces, flat)))
         for work, into in works:
             work.wait(self.timeout)
             if into is not None:
                 storages, pieces, flat = into
-                unpack(storages, pieces, flat, self.device)
+                ops.unpack(storages, pieces, flat)
+        ops.end_step()
         return Moved(moved)
 
     def step(self, cmd: Step) -> StepResult:
