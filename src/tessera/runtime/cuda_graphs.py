@@ -55,8 +55,8 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 class SegmentGraph:
     """One segment of a phase's program on a CUDA device, replayed from its graphs (eager where it cannot be).
 
-    ``pools``: the phase's graph memory pools by key, shared by its segments; ``state``: the program's state
-    buffers (the first one's storage tells a state instance)."""
+    ``pools``: the phase's graph memory pools by key, shared by its segments. A key is the micro-batch and the
+    storage of the program's first state buffer (which tells a state instance)."""
 
     def __init__(self, graph: KernelGraph, program: Program, segment: Segment, pools: dict[tuple, Any]):
         self.segment = segment
