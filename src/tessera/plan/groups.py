@@ -310,6 +310,7 @@ class _Sharder:
         self.replica_share = replica_share(graph, group)
         self.layout = expert_layout(routing, group.ep) if routing is not None else None
         self._uniform_active: dict[int, float] = {}
+        self._rank_loads: dict[int, list[tuple[float, float]]] = {}  # routed rows -> (load, active experts) per rank
         self.matrices: dict[int, dict[str, float]] = defaultdict(dict)  # kernel -> matrix weights it reads
         for a in graph.accesses:
             buf = graph.buffers[a.buffer]
@@ -386,10 +387,12 @@ class _Sharder:
         uniform_active = self._uniform_active[rows]
         total_weights = f.weight_bytes * routing.experts / uniform_active if uniform_active > 0 else f.weight_bytes
         served = rows / g.expert_replicas  # assignments one expert replica serves
+        if rows not in self._rank_loads:  # every MoE layer of the graph routes as many rows
+            self._rank_loads[rows] = [
+                (float(probs[held].sum()), float(np.sum(1.0 - (1.0 - probs[held]) ** served)) if served > 0 else 0.0)
+                for held in self.layout]
         shards = []
-        for held in self.layout:
-            load = float(probs[held].sum())
-            active = float(np.sum(1.0 - (1.0 - probs[held]) ** served)) if served > 0 else 0.0
+        for load, active in self._rank_loads[rows]:
             share = load / g.expert_replicas
             gemm = None if f.gemm is None else (f.gemm[0], _ceil(rows * share), f.gemm[2], f.gemm[3])
             shards.append(replace(f, gemm=gemm, flops=f.flops * share, kv_bytes=f.kv_bytes * share,
@@ -472,19 +475,20 @@ def shard_kernels(graph: KernelGraph, features: list[KernelFeatures], group: Dev
 
 
 def group_kernel_times(graph: KernelGraph, features: list[KernelFeatures], model: CostModel, group: DeviceGroup,
-                       routing: RoutingDistribution | None = None) -> GroupTimes:
+                       routing: RoutingDistribution | None = None, whole_s: np.ndarray | None = None) -> GroupTimes:
     """Seconds of every kernel of ``graph`` on ``group``: the busiest GPU's sharded compute (roofline with
     the model's efficiency classes; the model's own time where the shard is the whole kernel) and the
-    collective each kernel adds on the group link."""
+    collective each kernel adds on the group link (``whole_s``: the model's times of the whole kernels on one
+    GPU, where the caller has them)."""
     if model.device.id != group.spec.id:
         raise DeviceGroupError(f"the cost model is for {model.device.id} but the group is of {group.spec.id}; "
                                f"use a CostModel of {group.spec.id}")
     shards = shard_kernels(graph, features, group, routing)
-    whole = model.kernel_costs(graph, features)
+    whole = [c.time_s for c in model.kernel_costs(graph, features)] if whole_s is None else whole_s
     compute = np.empty(len(shards))
-    for i, (shard, f, cost) in enumerate(zip(shards, features, whole, strict=True)):
+    for i, (shard, f, t) in enumerate(zip(shards, features, whole, strict=True)):
         if shard.features == (f,):
-            compute[i] = cost.time_s
+            compute[i] = t
         else:
             compute[i] = max(kernel_time(sf, model.device, model.efficiency.for_kernel(sf.cost_class, sf.op),
                                          model.options).time_s for sf in shard.features)
