@@ -3,7 +3,8 @@
 Runs the CLI in this process with the functions that do each stage wrapped, and prints exclusive seconds per
 stage (a stage excludes the stages nested in it): tracing (`capture.api.trace_model`), costing (graph facts,
 kernel times per target, step problems, expert splits), folding (`fold_groups`, `merge`, `layer_structure`),
-solving (every HiGHS run: the placement MILPs and the mixes' and the bound's LPs), evaluating
+solving (`milp.solve_placement`, its heuristics included, and every other HiGHS run: the mixes' and
+the bound's LPs), evaluating
 (`step_evaluation.evaluate`) and other (the rest: assembling plans, the searches' own work, imports, the CLI).
 
     PYTHONPATH=src .venv/bin/python benchmarks/plan_stages.py qwen3-235b-a22b --cluster B200:8,H100:8
@@ -73,6 +74,7 @@ def _install() -> None:
         _patch("tessera.plan.fold", attr, "folding")
     _patch("tessera.graph.layers", "layer_structure", "folding")
     _patch("tessera.plan.step_evaluation", "evaluate", "evaluating")
+    _patch("tessera.plan.milp", "solve_placement", "solving")
     highspy.Highs.run = _wrap(highspy.Highs.run, "solving")
 
 
@@ -90,7 +92,7 @@ def main(argv: list[str]) -> None:
     rest = wall - sum(_totals.values())
     print(out.getvalue(), end="")
     parts = sorted({**_totals, "other": rest}.items(), key=lambda kv: -kv[1])
-    print(f"wall {wall:.1f} s (plan {time.perf_counter() - began:.1f} s): " +
+    print(f"wall {wall:.1f} s (plan {time.perf_counter() - began:.1f} s, cpu {time.process_time():.1f} s): " +
           ", ".join(f"{k} {v:.1f}" for k, v in parts), file=sys.stderr)
 
 

@@ -61,7 +61,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 import numpy as np
@@ -474,6 +474,9 @@ def shard_kernels(graph: KernelGraph, features: list[KernelFeatures], group: Dev
     return out
 
 
+_SHARD_KEY = tuple(f.name for f in fields(KernelFeatures) if f.name != "index")  # what a kernel's time depends on
+
+
 def group_kernel_times(graph: KernelGraph, features: list[KernelFeatures], model: CostModel, group: DeviceGroup,
                        routing: RoutingDistribution | None = None, whole_s: np.ndarray | None = None) -> GroupTimes:
     """Seconds of every kernel of ``graph`` on ``group``: the busiest GPU's sharded compute (roofline with
@@ -486,12 +489,17 @@ def group_kernel_times(graph: KernelGraph, features: list[KernelFeatures], model
     shards = shard_kernels(graph, features, group, routing)
     whole = [c.time_s for c in model.kernel_costs(graph, features)] if whole_s is None else whole_s
     compute = np.empty(len(shards))
+    seen: dict[tuple, float] = {}  # a shard's time by its features but the kernel index: the layers repeat them
+
+    def shard_time(sf: KernelFeatures) -> float:
+        key = tuple(getattr(sf, name) for name in _SHARD_KEY)
+        if key not in seen:
+            seen[key] = kernel_time(sf, model.device, model.efficiency.for_kernel(sf.cost_class, sf.op),
+                                    model.options).time_s
+        return seen[key]
+
     for i, (shard, f, t) in enumerate(zip(shards, features, whole, strict=True)):
-        if shard.features == (f,):
-            compute[i] = t
-        else:
-            compute[i] = max(kernel_time(sf, model.device, model.efficiency.for_kernel(sf.cost_class, sf.op),
-                                         model.options).time_s for sf in shard.features)
+        compute[i] = t if shard.features == (f,) else max(shard_time(sf) for sf in shard.features)
     collective = np.array([s.collective_s for s in shards], dtype=float)
     return GroupTimes(compute, collective, compute + collective, tuple(s.rule for s in shards))
 
