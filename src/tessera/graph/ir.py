@@ -169,8 +169,10 @@ class KernelGraph:
 
     def to_json(self) -> str:
         """The JSON text of :meth:`to_dict` (written from the graph's own lists, without copying them)."""
+        names = {cls: [f.name for f in fields(cls)] for cls in (Kernel, Buffer, Access, Edge)}
+
         def plain(obj) -> dict[str, Any]:
-            return {f.name: getattr(obj, f.name) for f in fields(obj)}
+            return {name: getattr(obj, name) for name in names[type(obj)]}
 
         return json.dumps({
             "version": self.version, "hash": self.hash, "model": self.model, "phase": self.phase, "meta": self.meta,

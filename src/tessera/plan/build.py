@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -60,7 +61,13 @@ class StepProblem:
 
     def graph_assignment(self, assignment) -> list[int]:
         """Each graph kernel's target: its own, or its combine's when its experts were split."""
-        return [int(assignment[ks[-1]]) for ks in self.problem_kernels()]
+        if self.mapping is None:
+            return [int(t) for t in assignment[:len(self.graph.kernels)]]
+        return np.asarray(assignment, dtype=np.int64)[self._last_parts].tolist()
+
+    @cached_property
+    def _last_parts(self) -> np.ndarray:
+        return np.array([ks[-1] for ks in self.problem_kernels()], dtype=np.int64)
 
     def problem_assignment(self, graph_assignment, expert_parts: dict | None = None) -> list[int]:
         """The problem-level assignment of a StepPlan's graph-level one and its expert parts' targets."""
