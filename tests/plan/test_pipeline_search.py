@@ -97,33 +97,3 @@ def test_layer_devices_put_each_layer_on_its_stage():
 
     got = layer_devices([((2, 0), [3]), ((1, 3, 0), [1, 4]), ((0, 1), [5])], 6)
     assert got.tolist() == [[2, 2, 2, 0, 0, 0], [1, 3, 3, 3, 0, 0], [0, 0, 0, 0, 0, 1]]
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_bounds_computed_lazily_come_in_the_order_of_sorting_them_all(seed, monkeypatch):
-    """With a rough bound the exact bounds are computed a chunk at a time: the candidates still come in the
-    order of sorting every exact bound (ties by candidate, NaN last), and the first come without bounding all."""
-    from tessera.plan import pipeline_search
-    from tessera.plan.pipeline_search import Scorer, in_bound_order
-
-    rng = np.random.default_rng(seed)
-    n = 200
-    exact = rng.integers(0, 40, n).astype(float)  # many ties
-    exact[rng.random(n) < 0.05] = np.inf
-    exact[rng.random(n) < 0.05] = np.nan
-    exact[rng.random(n) < 0.05] = -np.inf
-    rough = np.where(np.isfinite(exact), exact - rng.integers(0, 3, n) * rng.random(n), exact)
-    asked: list[int] = []
-
-    def bounds(d):
-        asked.extend(d[:, 0].tolist())
-        return exact[d[:, 0]]
-    monkeypatch.setattr(pipeline_search, "CHUNK", 7)
-    scorer = Scorer(lambda a: None, bounds, lambda d: rough[d[:, 0]])
-    devices = np.arange(n)[:, None]
-    want = np.lexsort((np.arange(n), exact)).tolist()
-    got = in_bound_order(devices, scorer)
-    first = [next(got)[1] for _ in range(5)]
-    assert first == want[:5] and len(asked) < n
-    assert first + [i for _, i in got] == want
-    assert sorted(asked) == list(range(n))

@@ -102,15 +102,6 @@ def critical_paths(problem: PlacementProblem, a: np.ndarray) -> np.ndarray:
     return (finish.max(axis=1) if k else np.zeros(len(a))) + loops
 
 
-def balance_times(problem: PlacementProblem, a: np.ndarray) -> np.ndarray:
-    """[N] max(M x busiest device, M x busiest directed link): :func:`cycle_times` without the critical path,
-    a lower bound on it."""
-    m = problem.micro_batches
-    busy = busy_times(problem, a).max(axis=1)
-    link = link_loads(problem, a).reshape(len(a), -1).max(axis=1)
-    return np.maximum(m * busy, m * link)
-
-
 def cycle_times(problem: PlacementProblem, a: np.ndarray) -> np.ndarray:
     """[N] throughput objective: max(M x busiest device, M x busiest directed link, critical path)."""
     m = problem.micro_batches

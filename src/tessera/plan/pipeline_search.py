@@ -14,7 +14,6 @@ scoring in enumeration order would keep, ties going to the earlier candidate.
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessera.plan.admission import MemoryShape, admit, round_batch
-from tessera.plan.enumerate import balance_times, critical_paths, cycle_times, memory_use
+from tessera.plan.enumerate import critical_paths, cycle_times, memory_use
 from tessera.plan.step_evaluation import evaluate
 from tessera.plan.symmetry import canonical
 from tessera.plan.targets import usable_memory
@@ -65,12 +64,10 @@ def layer_devices(candidates: list[tuple[tuple[int, ...], list[int]]], layers: i
 @dataclass(frozen=True)
 class Scorer:
     """A candidate's exact score (seconds per request, or None where it does not fit) and lower bounds on
-    the scores of many candidates at once ([N], -inf where there is none); ``rough``, where given, a weaker
-    and cheaper lower bound on those (no higher than ``bounds`` for any candidate)."""
+    the scores of many candidates at once ([N], -inf where there is none)."""
 
     score: Callable[[tuple[int, ...]], float | None]
     bounds: Callable[[np.ndarray], np.ndarray]
-    rough: Callable[[np.ndarray], np.ndarray] | None = None
 
 
 def fixed_scorer(problem, repeats: float, rows: int, objective: str) -> Scorer:
@@ -85,10 +82,7 @@ def fixed_scorer(problem, repeats: float, rows: int, objective: str) -> Scorer:
         if objective == "throughput":
             return cycle_times(problem, a) * repeats / rows
         return critical_paths(problem, a)
-
-    def rough(a):
-        return balance_times(problem, a) * repeats / rows
-    return Scorer(score, bounds, rough if objective == "throughput" else None)
+    return Scorer(score, bounds)
 
 
 def admitted_scorer(big, small, b0: int, b1: int, m: int, repeats: float, capacity: np.ndarray, reserve: float,
@@ -108,16 +102,16 @@ def admitted_scorer(big, small, b0: int, b1: int, m: int, repeats: float, capaci
         cycle = ev1.cycle_s + (ev0.cycle_s - ev1.cycle_s) * (n - b1) / (b0 - b1)
         return cycle * repeats / n
 
-    def bounded(a, cycle):
+    def bounds(a):
         fixed, per_seq = shape(memory_use(big, a), memory_use(small, a))
         n = admitted_counts(fixed, per_seq, usable_memory(capacity, admission.memory_utilization), b0, m)
-        c0, c1 = cycle(big, a), cycle(small, a)
-        t = (n - b1) / (b0 - b1)  # in [0, 1] where n >= b1 (n <= b0 always): weights of lower bounds
+        c0, c1 = cycle_times(big, a), cycle_times(small, a)
+        t = (n - b1) / (b0 - b1)
         with np.errstate(divide="ignore", invalid="ignore"):
             out = (c1 * (1 - t) + c0 * t) * repeats / n
         out = np.where(n < 1, np.inf, out)  # no fit: never scored
         return np.where((n >= 1) & (n < b1), -np.inf, out)  # extrapolated below b1: no bound
-    return Scorer(score, lambda a: bounded(a, cycle_times), lambda a: bounded(a, balance_times))
+    return Scorer(score, bounds)
 
 
 def admitted_counts(fixed: np.ndarray, per_seq: np.ndarray, usable: np.ndarray, cap: int, m: int) -> np.ndarray:
@@ -141,9 +135,10 @@ def best_pipelines(candidates: list[tuple[tuple[int, ...], list[int]]], devices:
     would find them."""
     if not candidates:
         return []
+    bounds = np.concatenate([scorer.bounds(devices[i:i + CHUNK]) for i in range(0, len(devices), CHUNK)])
     top: list[tuple[float, int]] = []
-    for bound, i in in_bound_order(devices, scorer):
-        if len(top) == keep and bound * (1 - BOUND_SLACK) > top[-1][0]:
+    for i in np.lexsort((np.arange(len(candidates)), bounds)):
+        if len(top) == keep and bounds[i] * (1 - BOUND_SLACK) > top[-1][0]:
             break  # this candidate's score, and every later one's, is above the kept ones'
         a = tuple(int(x) for x in devices[i])
         s = scorer.score(a)
@@ -152,41 +147,6 @@ def best_pipelines(candidates: list[tuple[tuple[int, ...], list[int]]], devices:
         bisect.insort(top, (s, int(i)))
         del top[keep:]
     return [(s, tuple(int(x) for x in devices[i]), *candidates[i]) for s, i in top]
-
-
-def in_bound_order(devices: np.ndarray, scorer: Scorer) -> Iterator[tuple[float, int]]:
-    """(bound, candidate) in order of ``scorer.bounds`` (ties: the earlier candidate). With a rough bound the
-    exact bounds are computed lazily, a chunk at a time in order of the rough one, only while a candidate not
-    yet bounded could still come next (its bound is at least its rough bound): the same order, for the
-    candidates a search reads before it stops."""
-    n = len(devices)
-    if scorer.rough is None:
-        bounds = np.concatenate([scorer.bounds(devices[i:i + CHUNK]) for i in range(0, n, CHUNK)])
-        for i in np.lexsort((np.arange(n), bounds)):
-            yield float(bounds[i]), int(i)
-        return
-    rough = np.concatenate([scorer.rough(devices[i:i + CHUNK]) for i in range(0, n, CHUNK)])
-    order = np.lexsort((np.arange(n), rough))
-    ready: list[tuple[bool, float, int]] = []  # heap of the candidates bounded so far, by _sort_key
-
-    def next_rough() -> tuple[bool, float]:
-        r = float(rough[order[done]])
-        return (True, 0.0) if r != r else (False, r)
-
-    done = 0  # candidates of ``order`` bounded
-    while ready or done < n:
-        while done < n and (not ready or ready[0][:2] >= next_rough()):
-            chunk = order[done:done + CHUNK]
-            for b, i in zip(scorer.bounds(devices[chunk]).tolist(), chunk.tolist(), strict=True):
-                heapq.heappush(ready, _sort_key(b, i))
-            done += len(chunk)
-        nan, b, i = heapq.heappop(ready)
-        yield (float("nan") if nan else b), i
-
-
-def _sort_key(bound: float, i: int) -> tuple[bool, float, int]:
-    """A bound's place in ``np.lexsort``'s order (NaN after every number), ties by candidate."""
-    return (True, 0.0, i) if bound != bound else (False, bound, i)
 
 
 __all__ = ["MAX_PIPELINE_CANDIDATES", "admitted_scorer", "best_pipelines", "fixed_scorer", "pipelines",
