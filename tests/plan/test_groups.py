@@ -20,6 +20,7 @@ from tessera.hardware.devices import resolve_device
 from tessera.plan.groups import (
     DeviceGroup,
     DeviceGroupError,
+    GraphTraffic,
     expert_layout,
     group_footprint,
     group_kernel_times,
@@ -286,5 +287,5 @@ def test_group_times_are_each_shard_timed_on_its_own(case, request):
                        for sf in s.features) for i, (s, f) in enumerate(zip(shards, feats, strict=True))]
         times = group_kernel_times(graph, feats, model, group)
         assert times.compute_s.tolist() == literal
-        given = group_kernel_times(graph, feats, model, group, whole_s=np.array(whole))
+        given = group_kernel_times(graph, feats, model, group, whole_s=np.array(whole), traffic=GraphTraffic(graph))
         assert given.total_s.tolist() == times.total_s.tolist()

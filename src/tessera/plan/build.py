@@ -14,7 +14,7 @@ problem has more kernels than the graph; ``StepProblem`` maps between the two.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -29,7 +29,7 @@ from tessera.graph.ir import KernelGraph
 from tessera.hardware.cluster import SAME_DEVICE, Cluster
 from tessera.plan.config import DEFAULT_MEMORY_UTILIZATION
 from tessera.plan.experts import SplitMapping
-from tessera.plan.groups import DeviceGroup, default_routing, group_kernel_times
+from tessera.plan.groups import DeviceGroup, GraphTraffic, default_routing, group_kernel_times
 from tessera.plan.problem import MemorySpec, PlacementProblem
 from tessera.plan.targets import Target, link_between
 
@@ -102,29 +102,31 @@ def transfer_assignment(planned: KernelGraph, graph: KernelGraph, assignment: li
 
 def target_times(graph: KernelGraph, features: list[KernelFeatures], target: Target, options: CostOptions,
                  profile: Profile | None = None, routing: RoutingDistribution | None = None,
-                 whole_s: np.ndarray | None = None) -> np.ndarray:
+                 whole_s: np.ndarray | None = None, traffic: GraphTraffic | None = None) -> np.ndarray:
     """[K] seconds of each kernel on ``target`` (a single GPU, or a group with its sharding costs; ``whole_s``:
-    the kernels' seconds on one GPU of the group's type, where the caller has them)."""
+    the kernels' seconds on one GPU of the group's type, and ``traffic``, the graph's, where the caller has
+    them)."""
     usable = profile if profile is not None and profile.device == target.spec.id else None
     model = CostModel(target.spec, options, usable)
     if target.size == 1:
         return np.array([c.time_s for c in model.kernel_costs(graph, features)])
     group = DeviceGroup(target.spec, target.size, target.intra, tp=target.size, ep=target.size)
-    return np.asarray(group_kernel_times(graph, features, model, group, routing, whole_s).total_s, dtype=float)
+    return np.asarray(group_kernel_times(graph, features, model, group, routing, whole_s, traffic).total_s,
+                      dtype=float)
 
 
-def cached_target_times(graph: KernelGraph, features: list[KernelFeatures], target: Target, options: CostOptions,
-                        profile: Profile | None, routing: RoutingDistribution | None,
-                        cache: dict[tuple, np.ndarray]) -> np.ndarray:
-    """:func:`target_times` kept in ``cache`` by :func:`target_key` (the graph's); a group's sharded times
-    reuse one GPU's entry for its unsharded kernels."""
+def cached_target_times(graph: KernelGraph, facts: GraphFacts, target: Target, options: CostOptions,
+                        profile: Profile | None, cache: dict[tuple, np.ndarray]) -> np.ndarray:
+    """:func:`target_times` of ``graph`` (its ``facts``) kept in ``cache`` by :func:`target_key`; a group's
+    sharded times reuse one GPU's entry for its unsharded kernels and the facts' traffic."""
     key = target_key(target)
     if key not in cache:
-        whole = None
+        whole, traffic = None, None
         if target.size > 1:
             single = Target(target.spec, target.members[:1], SAME_DEVICE)
-            whole = cached_target_times(graph, features, single, options, profile, routing, cache)
-        cache[key] = target_times(graph, features, target, options, profile, routing, whole)
+            whole = cached_target_times(graph, facts, single, options, profile, cache)
+            traffic = facts.traffic
+        cache[key] = target_times(graph, facts.features, target, options, profile, facts.routing, whole, traffic)
     return cache[key]
 
 
@@ -167,12 +169,19 @@ class GraphFacts:
     together: list[tuple[int, int]]
     activation_peak: float
     state_first: list[tuple[str, int]]  # each state buffer and the first kernel touching it, in that order
+    graph: KernelGraph = field(repr=False, compare=False)  # what they were read off (for `traffic`)
 
     @classmethod
     def of(cls, graph: KernelGraph, options: CostOptions, routing_skew: float = 0.0) -> GraphFacts:
         edges = data_edges(graph)
         return cls(FeatureExtractor(graph, options).all(), default_routing(graph, routing_skew), edges,
-                   colocation(graph, edges), activation_peak(graph), state_first(graph))
+                   colocation(graph, edges), activation_peak(graph), state_first(graph), graph)
+
+    @cached_property
+    def traffic(self) -> GraphTraffic:
+        """Activation bytes and matrix weights per kernel, for sharding the graph over device groups (built on
+        first use: a graph placed on single GPUs never needs it)."""
+        return GraphTraffic(self.graph)
 
 
 def state_first(graph: KernelGraph) -> list[tuple[str, int]]:
@@ -201,8 +210,7 @@ def build_step_problem(graph: KernelGraph, targets: list[Target], cluster: Clust
     facts = GraphFacts.of(graph, options, routing_skew) if facts is None else facts
     features, routing = facts.features, facts.routing
     cache = {} if times_cache is None else times_cache
-    times = np.stack([cached_target_times(graph, features, t, options, profile, routing, cache) for t in targets],
-                     axis=1)
+    times = np.stack([cached_target_times(graph, facts, t, options, profile, cache) for t in targets], axis=1)
     d = len(targets)
     bandwidth, latency = np.full((d, d), np.inf), np.zeros((d, d))
     for i, a in enumerate(targets):

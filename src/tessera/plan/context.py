@@ -344,8 +344,7 @@ class PlanContext:
         times = self.cache.times.setdefault(self.graph_key(phase, micro_batches), {})
         if target_key(target) not in times:
             facts = self.graph_facts(phase, micro_batches)
-            cached_target_times(self.graph(phase, micro_batches), facts.features, target, self.options, self.profile,
-                                facts.routing, times)
+            cached_target_times(self.graph(phase, micro_batches), facts, target, self.options, self.profile, times)
         return times[target_key(target)]
 
     def step_problem(self, phase: PhaseSpec, targets: list[Target], micro_batches: int = 1,

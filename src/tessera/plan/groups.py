@@ -239,14 +239,18 @@ def kv_heads(graph: KernelGraph) -> int | None:
     return None
 
 
-class _Io:
-    """Bytes each kernel reads and writes of activations (not weights, not KV cache)."""
+class GraphTraffic:
+    """What sharding reads off a graph's accesses, whatever the group: the bytes each kernel reads and writes
+    of activations (not weights, not KV cache) and the matrix weights each kernel reads (one walk per graph)."""
 
     def __init__(self, graph: KernelGraph):
         self.read: dict[int, float] = defaultdict(float)
         self.written: dict[int, float] = defaultdict(float)
+        self.matrices: dict[int, dict[str, float]] = defaultdict(dict)  # kernel -> matrix weights it reads
         for a in graph.accesses:
             buf = graph.buffers[a.buffer]
+            if buf.kind == "weight" and len(buf.shape) >= 2:
+                self.matrices[a.kernel][a.buffer] = float(buf.nbytes)
             if buf.kind == "weight" or is_kv_buffer(a.buffer):
                 continue
             n = float(math.prod(a.sizes)) * a.itemsize
@@ -303,19 +307,16 @@ def default_routing(graph: KernelGraph, skew: float = 0.0) -> RoutingDistributio
 
 
 class _Sharder:
-    def __init__(self, graph: KernelGraph, group: DeviceGroup, routing: RoutingDistribution | None):
+    def __init__(self, graph: KernelGraph, group: DeviceGroup, routing: RoutingDistribution | None,
+                 traffic: GraphTraffic | None = None):
         self.graph, self.group, self.routing = graph, group, routing
-        self.io = _Io(graph)
+        self.io = GraphTraffic(graph) if traffic is None else traffic
         self.kv_share = _head_share(kv_heads(graph), group.tp)
         self.replica_share = replica_share(graph, group)
         self.layout = expert_layout(routing, group.ep) if routing is not None else None
         self._uniform_active: dict[int, float] = {}
         self._rank_loads: dict[int, list[tuple[float, float]]] = {}  # routed rows -> (load, active experts) per rank
-        self.matrices: dict[int, dict[str, float]] = defaultdict(dict)  # kernel -> matrix weights it reads
-        for a in graph.accesses:
-            buf = graph.buffers[a.buffer]
-            if buf.kind == "weight" and len(buf.shape) >= 2:
-                self.matrices[a.kernel][a.buffer] = float(buf.nbytes)
+        self.matrices = self.io.matrices
 
     def column_share(self, kernel: Kernel) -> float:
         """Share of a column-parallel GEMM one GPU runs: 1/tp, the KV-head share for a K/V projection, and for
@@ -431,17 +432,18 @@ class _Sharder:
 
 
 def shard_kernels(graph: KernelGraph, features: list[KernelFeatures], group: DeviceGroup,
-                  routing: RoutingDistribution | None = None) -> list[KernelShard]:
+                  routing: RoutingDistribution | None = None, traffic: GraphTraffic | None = None) -> list[KernelShard]:
     """What one GPU of ``group`` runs of every kernel of ``graph``, and the collectives the kernels add.
 
     ``routing``: the experts' routing distribution (default: uniform over the first grouped GEMM's
-    experts, top-k from its rows per token); ignored for dense graphs."""
+    experts, top-k from its rows per token); ignored for dense graphs. ``traffic``: the graph's, where the
+    caller has it."""
     if len(features) != len(graph.kernels):
         raise DeviceGroupError(f"{len(features)} kernel features for a graph of {len(graph.kernels)} kernels; "
                                "extract the features of this graph")
     if routing is None:
         routing = default_routing(graph)
-    s = _Sharder(graph, group, routing)
+    s = _Sharder(graph, group, routing, traffic)
     rules = [kernel_rule(k, f) for k, f in zip(graph.kernels, features, strict=True)]
     out: list[KernelShard] = []
     for k, f, rule in zip(graph.kernels, features, rules, strict=True):
@@ -478,15 +480,16 @@ _SHARD_KEY = tuple(f.name for f in fields(KernelFeatures) if f.name != "index") 
 
 
 def group_kernel_times(graph: KernelGraph, features: list[KernelFeatures], model: CostModel, group: DeviceGroup,
-                       routing: RoutingDistribution | None = None, whole_s: np.ndarray | None = None) -> GroupTimes:
+                       routing: RoutingDistribution | None = None, whole_s: np.ndarray | None = None,
+                       traffic: GraphTraffic | None = None) -> GroupTimes:
     """Seconds of every kernel of ``graph`` on ``group``: the busiest GPU's sharded compute (roofline with
     the model's efficiency classes; the model's own time where the shard is the whole kernel) and the
     collective each kernel adds on the group link (``whole_s``: the model's times of the whole kernels on one
-    GPU, where the caller has them)."""
+    GPU, and ``traffic``, the graph's, where the caller has them)."""
     if model.device.id != group.spec.id:
         raise DeviceGroupError(f"the cost model is for {model.device.id} but the group is of {group.spec.id}; "
                                f"use a CostModel of {group.spec.id}")
-    shards = shard_kernels(graph, features, group, routing)
+    shards = shard_kernels(graph, features, group, routing, traffic)
     whole = [c.time_s for c in model.kernel_costs(graph, features)] if whole_s is None else whole_s
     compute = np.empty(len(shards))
     seen: dict[tuple, float] = {}  # a shard's time by its features but the kernel index: the layers repeat them
