@@ -16,6 +16,22 @@ def test_two_intervals_combine_as_the_sweep_combines_them():
         assert a - b == a._sweep(b, keep_other=False)
 
 
+def _random_ranges(rng, most: int) -> Ranges:
+    starts = rng.integers(0, 200, int(rng.integers(1, most + 1)))
+    return Ranges.of((int(s), int(s) + int(rng.integers(1, 12))) for s in starts)
+
+
+def test_shortcuts_combine_as_the_sweep_combines():
+    """Many intervals against one (either side), and a set against itself, take shortcuts: the same sets."""
+    rng = np.random.default_rng(1)
+    for _ in range(3000):
+        a = _random_ranges(rng, 12)
+        b = _random_ranges(rng, 1) if rng.random() < 0.6 else a
+        for x, y in ((a, b), (b, a)):
+            assert x & y == x._sweep(y, keep_other=True)
+            assert x - y == x._sweep(y, keep_other=False)
+
+
 def test_ranges_by_hand():
     a = Ranges(((0, 10),))
     assert a & Ranges(((5, 20),)) == Ranges(((5, 10),))

@@ -20,6 +20,7 @@ from tessera.hardware.devices import resolve_device
 from tessera.plan.groups import (
     DeviceGroup,
     DeviceGroupError,
+    GraphTraffic,
     expert_layout,
     group_footprint,
     group_kernel_times,
@@ -269,3 +270,22 @@ def test_merged_qkv_shares_q_by_tp_and_kv_by_kv_heads(llama_production):
     gate_up = next(k.index for k in graph.kernels if k.layer == 0 and k.op == "tessera.merged_linear.default"
                    and k.scope.endswith("mlp"))
     assert shards[gate_up].features[0].flops == pytest.approx(feats[gate_up].flops / 16)
+
+
+@pytest.mark.parametrize("case", ["llama_production", "gpt_oss"])
+def test_group_times_are_each_shard_timed_on_its_own(case, request):
+    """Shards with the same features (the layers repeat them) are timed once, and a caller's one-GPU times
+    stand for the unsharded kernels: the same seconds as timing every shard by the roofline."""
+    graph, feats = request.getfixturevalue(case)
+    model = CostModel(B200)
+    whole = [c.time_s for c in model.kernel_costs(graph, feats)]
+    for size in (2, 4):
+        group = DeviceGroup(B200, size, LINK, tp=size, ep=size)
+        shards = shard_kernels(graph, feats, group)
+        literal = [whole[i] if s.features == (f,) else
+                   max(kernel_time(sf, B200, model.efficiency.for_kernel(sf.cost_class, sf.op)).time_s
+                       for sf in s.features) for i, (s, f) in enumerate(zip(shards, feats, strict=True))]
+        times = group_kernel_times(graph, feats, model, group)
+        assert times.compute_s.tolist() == literal
+        given = group_kernel_times(graph, feats, model, group, whole_s=np.array(whole), traffic=GraphTraffic(graph))
+        assert given.total_s.tolist() == times.total_s.tolist()

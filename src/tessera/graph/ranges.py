@@ -83,6 +83,23 @@ class Ranges:
             if keep_other:
                 return Ranges(((max(a0, b0), min(a1, b1)),)) if min(a1, b1) > max(a0, b0) else Ranges()
             return Ranges(tuple(p for p in ((a0, min(a1, b0)), (max(a0, b1), a1)) if p[1] > p[0]))
+        if self.spans == other.spans:  # a consumer reading all its producer wrote (per-row views, often)
+            return self if keep_other else Ranges()
+        if len(other.spans) == 1:  # one interval against many: each of ours clipped to it, or cut by it
+            (b0, b1), out = other.spans[0], []
+            if b0 <= self.spans[0][0] and self.spans[-1][1] <= b1:  # it covers all of ours
+                return self if keep_other else Ranges()
+            if b1 <= self.spans[0][0] or self.spans[-1][1] <= b0:  # it misses all of ours
+                return Ranges() if keep_other else self
+            for a0, a1 in self.spans:
+                if keep_other:
+                    if min(a1, b1) > max(a0, b0):
+                        out.append((max(a0, b0), min(a1, b1)))
+                else:
+                    out.extend(p for p in ((a0, min(a1, b0)), (max(a0, b1), a1)) if p[1] > p[0])
+            return Ranges(tuple(out))
+        if len(self.spans) == 1 and keep_other:
+            return other._combine(self, keep_other=True)
         return self._sweep(other, keep_other)
 
     def _sweep(self, other: Ranges, keep_other: bool) -> Ranges:

@@ -14,7 +14,8 @@ problem has more kernels than the graph; ``StepProblem`` maps between the two.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -25,10 +26,10 @@ from tessera.cost.profile import Profile
 from tessera.cost.routing import RoutingDistribution
 from tessera.graph.dataflow import colocation, data_edges
 from tessera.graph.ir import KernelGraph
-from tessera.hardware.cluster import Cluster
+from tessera.hardware.cluster import SAME_DEVICE, Cluster
 from tessera.plan.config import DEFAULT_MEMORY_UTILIZATION
 from tessera.plan.experts import SplitMapping
-from tessera.plan.groups import DeviceGroup, default_routing, group_kernel_times
+from tessera.plan.groups import DeviceGroup, GraphTraffic, default_routing, group_kernel_times
 from tessera.plan.problem import MemorySpec, PlacementProblem
 from tessera.plan.targets import Target, link_between
 
@@ -60,7 +61,13 @@ class StepProblem:
 
     def graph_assignment(self, assignment) -> list[int]:
         """Each graph kernel's target: its own, or its combine's when its experts were split."""
-        return [int(assignment[ks[-1]]) for ks in self.problem_kernels()]
+        if self.mapping is None:
+            return [int(t) for t in assignment[:len(self.graph.kernels)]]
+        return np.asarray(assignment, dtype=np.int64)[self._last_parts].tolist()
+
+    @cached_property
+    def _last_parts(self) -> np.ndarray:
+        return np.array([ks[-1] for ks in self.problem_kernels()], dtype=np.int64)
 
     def problem_assignment(self, graph_assignment, expert_parts: dict | None = None) -> list[int]:
         """The problem-level assignment of a StepPlan's graph-level one and its expert parts' targets."""
@@ -94,14 +101,33 @@ def transfer_assignment(planned: KernelGraph, graph: KernelGraph, assignment: li
 
 
 def target_times(graph: KernelGraph, features: list[KernelFeatures], target: Target, options: CostOptions,
-                 profile: Profile | None = None, routing: RoutingDistribution | None = None) -> np.ndarray:
-    """[K] seconds of each kernel on ``target`` (a single GPU, or a group with its sharding costs)."""
+                 profile: Profile | None = None, routing: RoutingDistribution | None = None,
+                 whole_s: np.ndarray | None = None, traffic: GraphTraffic | None = None) -> np.ndarray:
+    """[K] seconds of each kernel on ``target`` (a single GPU, or a group with its sharding costs; ``whole_s``:
+    the kernels' seconds on one GPU of the group's type, and ``traffic``, the graph's, where the caller has
+    them)."""
     usable = profile if profile is not None and profile.device == target.spec.id else None
     model = CostModel(target.spec, options, usable)
     if target.size == 1:
         return np.array([c.time_s for c in model.kernel_costs(graph, features)])
     group = DeviceGroup(target.spec, target.size, target.intra, tp=target.size, ep=target.size)
-    return np.asarray(group_kernel_times(graph, features, model, group, routing).total_s, dtype=float)
+    return np.asarray(group_kernel_times(graph, features, model, group, routing, whole_s, traffic).total_s,
+                      dtype=float)
+
+
+def cached_target_times(graph: KernelGraph, facts: GraphFacts, target: Target, options: CostOptions,
+                        profile: Profile | None, cache: dict[tuple, np.ndarray]) -> np.ndarray:
+    """:func:`target_times` of ``graph`` (its ``facts``) kept in ``cache`` by :func:`target_key`; a group's
+    sharded times reuse one GPU's entry for its unsharded kernels and the facts' traffic."""
+    key = target_key(target)
+    if key not in cache:
+        whole, traffic = None, None
+        if target.size > 1:
+            single = Target(target.spec, target.members[:1], SAME_DEVICE)
+            whole = cached_target_times(graph, facts, single, options, profile, cache)
+            traffic = facts.traffic
+        cache[key] = target_times(graph, facts.features, target, options, profile, facts.routing, whole, traffic)
+    return cache[key]
 
 
 def memory_items(graph: KernelGraph, options: CostOptions, micro_batches: int, state_scale: float = 1.0) -> MemorySpec:
@@ -142,12 +168,29 @@ class GraphFacts:
     edges: list[tuple[int, int, float]]
     together: list[tuple[int, int]]
     activation_peak: float
+    state_first: list[tuple[str, int]]  # each state buffer and the first kernel touching it, in that order
+    graph: KernelGraph = field(repr=False, compare=False)  # what they were read off (for `traffic`)
 
     @classmethod
     def of(cls, graph: KernelGraph, options: CostOptions, routing_skew: float = 0.0) -> GraphFacts:
         edges = data_edges(graph)
         return cls(FeatureExtractor(graph, options).all(), default_routing(graph, routing_skew), edges,
-                   colocation(graph, edges), activation_peak(graph))
+                   colocation(graph, edges), activation_peak(graph), state_first(graph), graph)
+
+    @cached_property
+    def traffic(self) -> GraphTraffic:
+        """Activation bytes and matrix weights per kernel, for sharding the graph over device groups (built on
+        first use: a graph placed on single GPUs never needs it)."""
+        return GraphTraffic(self.graph)
+
+
+def state_first(graph: KernelGraph) -> list[tuple[str, int]]:
+    """(state buffer, the first kernel that touches it) in the order of those first touches."""
+    state, first = set(graph.state), {}
+    for a in graph.accesses:
+        if a.buffer in state and a.buffer not in first:
+            first[a.buffer] = a.kernel
+    return list(first.items())
 
 
 def target_key(target: Target) -> tuple:
@@ -167,10 +210,7 @@ def build_step_problem(graph: KernelGraph, targets: list[Target], cluster: Clust
     facts = GraphFacts.of(graph, options, routing_skew) if facts is None else facts
     features, routing = facts.features, facts.routing
     cache = {} if times_cache is None else times_cache
-    for t in targets:
-        if target_key(t) not in cache:
-            cache[target_key(t)] = target_times(graph, features, t, options, profile, routing)
-    times = np.stack([cache[target_key(t)] for t in targets], axis=1)
+    times = np.stack([cached_target_times(graph, facts, t, options, profile, cache) for t in targets], axis=1)
     d = len(targets)
     bandwidth, latency = np.full((d, d), np.inf), np.zeros((d, d))
     for i, a in enumerate(targets):

@@ -26,8 +26,8 @@ from tessera.plan.build import (
     GraphFacts,
     StepProblem,
     build_step_problem,
+    cached_target_times,
     target_key,
-    target_times,
     transfer_assignment,
 )
 from tessera.plan.config import (
@@ -321,14 +321,15 @@ class PlanContext:
 
     def graph(self, phase: PhaseSpec, micro_batches: int = 1) -> KernelGraph:
         """The phase's graph traced at the micro-batch size (cached)."""
-        from tessera.capture.api import trace_model
+        from tessera.capture.trace_cache import trace_model_cached
 
         key = self.graph_key(phase, micro_batches)
         graphs = self.graphs
         if key not in graphs:
-            self.say(f"tracing {self.model} {phase.phase} (batch {key[1]})")
-            graphs[key] = trace_model(self.model, phase.phase, batch=key[1], seq=phase.seq, ctx=phase.ctx,
-                                      resolution=phase.resolution, slots=phase.slots, image=key[-1])
+            graphs[key] = trace_model_cached(
+                self.model, phase.phase, batch=key[1], seq=phase.seq, ctx=phase.ctx, resolution=phase.resolution,
+                slots=phase.slots, image=key[-1],
+                on_trace=lambda: self.say(f"tracing {self.model} {phase.phase} (batch {key[1]})"))
         return graphs[key]
 
     def graph_facts(self, phase: PhaseSpec, micro_batches: int = 1) -> GraphFacts:
@@ -341,12 +342,10 @@ class PlanContext:
     def kernel_times(self, phase: PhaseSpec, target: Target, micro_batches: int = 1) -> np.ndarray:
         """[K] seconds of each kernel of the phase's graph at ``micro_batches`` on ``target`` (cached)."""
         times = self.cache.times.setdefault(self.graph_key(phase, micro_batches), {})
-        key = target_key(target)
-        if key not in times:
+        if target_key(target) not in times:
             facts = self.graph_facts(phase, micro_batches)
-            times[key] = target_times(self.graph(phase, micro_batches), facts.features, target, self.options,
-                                      self.profile, facts.routing)
-        return times[key]
+            cached_target_times(self.graph(phase, micro_batches), facts, target, self.options, self.profile, times)
+        return times[target_key(target)]
 
     def step_problem(self, phase: PhaseSpec, targets: list[Target], micro_batches: int = 1,
                      expert_parts: int = 1) -> StepProblem:
@@ -519,8 +518,8 @@ class PlanContext:
             if mem is None:
                 continue
             state = {name for name, b in sp.graph.buffers.items() if b.kind == "state"}
-            for k, w in mem.reads:
-                name, t = mem.item_names[w], int(assignment[k])
+            for w, t in mem.held(assignment):
+                name = mem.item_names[w]
                 is_state = name.split("[")[0] in state
                 size, scales = float(mem.item_bytes[w]), phase.phase == main and is_state
                 old = held.get((name, t))
@@ -573,9 +572,9 @@ class PlanContext:
             mem = sp.problem.memory
             if mem is None:
                 continue
-            for k, w in mem.reads:
+            for w, t in mem.held(assignment):
                 name = mem.item_names[w]
-                where.setdefault(name, set()).add(int(assignment[k]))
+                where.setdefault(name, set()).add(t)
                 size[name] = max(size.get(name, 0.0), float(mem.item_bytes[w]))
         return where, size
 
@@ -586,11 +585,8 @@ class PlanContext:
         for phase, sp, assignment in problems:
             graph = sp.graph
             on = sp.graph_assignment(assignment)
-            touched: dict[str, int] = {}
-            for a in graph.accesses:
-                if a.buffer in graph.state and a.buffer not in touched:
-                    touched[a.buffer] = on[a.kernel]
-            for name, t in touched.items():
+            for name, first in self.graph_facts(phase, sp.micro_batches).state_first:
+                t = on[first]
                 if name in holder and holder[name][0] != t:
                     src, nbytes = holder[name]
                     link = link_between(self.cluster, targets[src], targets[t])

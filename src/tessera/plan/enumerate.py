@@ -123,12 +123,15 @@ def memory_use(problem: PlacementProblem, a: np.ndarray) -> np.ndarray:
     if problem.memory is None:
         return np.zeros((len(a), nd))
     e = problem.edge_arrays
-    held = np.zeros((len(a), len(e.items), nd), dtype=bool)  # items in the order readers() lists them
-    held[np.arange(len(a))[:, None], e.read_item[None, :], a[:, e.read_kernel]] = True
+    held = np.zeros((len(e.items), len(a), nd), dtype=bool)  # items in the order readers() lists them
+    held[e.read_item[None, :], np.arange(len(a))[:, None], a[:, e.read_kernel]] = True
     if not len(e.items):
         return np.zeros((len(a), nd))
-    # summed item after item (a cumulative sum is sequential): the same sums as adding them one by one
-    return np.cumsum(held * problem.memory.item_bytes[e.items][None, :, None], axis=1)[:, -1]
+    sizes = problem.memory.item_bytes[e.items]
+    use = held[0] * sizes[0]
+    for j in range(1, len(sizes)):  # summed item after item: the same sums as adding them one by one
+        use += held[j] * sizes[j]
+    return use
 
 
 def memory_fits(problem: PlacementProblem, a: np.ndarray) -> np.ndarray:

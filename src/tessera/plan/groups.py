@@ -61,7 +61,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 import numpy as np
@@ -239,14 +239,18 @@ def kv_heads(graph: KernelGraph) -> int | None:
     return None
 
 
-class _Io:
-    """Bytes each kernel reads and writes of activations (not weights, not KV cache)."""
+class GraphTraffic:
+    """What sharding reads off a graph's accesses, whatever the group: the bytes each kernel reads and writes
+    of activations (not weights, not KV cache) and the matrix weights each kernel reads (one walk per graph)."""
 
     def __init__(self, graph: KernelGraph):
         self.read: dict[int, float] = defaultdict(float)
         self.written: dict[int, float] = defaultdict(float)
+        self.matrices: dict[int, dict[str, float]] = defaultdict(dict)  # kernel -> matrix weights it reads
         for a in graph.accesses:
             buf = graph.buffers[a.buffer]
+            if buf.kind == "weight" and len(buf.shape) >= 2:
+                self.matrices[a.kernel][a.buffer] = float(buf.nbytes)
             if buf.kind == "weight" or is_kv_buffer(a.buffer):
                 continue
             n = float(math.prod(a.sizes)) * a.itemsize
@@ -303,18 +307,16 @@ def default_routing(graph: KernelGraph, skew: float = 0.0) -> RoutingDistributio
 
 
 class _Sharder:
-    def __init__(self, graph: KernelGraph, group: DeviceGroup, routing: RoutingDistribution | None):
+    def __init__(self, graph: KernelGraph, group: DeviceGroup, routing: RoutingDistribution | None,
+                 traffic: GraphTraffic | None = None):
         self.graph, self.group, self.routing = graph, group, routing
-        self.io = _Io(graph)
+        self.io = GraphTraffic(graph) if traffic is None else traffic
         self.kv_share = _head_share(kv_heads(graph), group.tp)
         self.replica_share = replica_share(graph, group)
         self.layout = expert_layout(routing, group.ep) if routing is not None else None
         self._uniform_active: dict[int, float] = {}
-        self.matrices: dict[int, dict[str, float]] = defaultdict(dict)  # kernel -> matrix weights it reads
-        for a in graph.accesses:
-            buf = graph.buffers[a.buffer]
-            if buf.kind == "weight" and len(buf.shape) >= 2:
-                self.matrices[a.kernel][a.buffer] = float(buf.nbytes)
+        self._rank_loads: dict[int, list[tuple[float, float]]] = {}  # routed rows -> (load, active experts) per rank
+        self.matrices = self.io.matrices
 
     def column_share(self, kernel: Kernel) -> float:
         """Share of a column-parallel GEMM one GPU runs: 1/tp, the KV-head share for a K/V projection, and for
@@ -386,10 +388,12 @@ class _Sharder:
         uniform_active = self._uniform_active[rows]
         total_weights = f.weight_bytes * routing.experts / uniform_active if uniform_active > 0 else f.weight_bytes
         served = rows / g.expert_replicas  # assignments one expert replica serves
+        if rows not in self._rank_loads:  # every MoE layer of the graph routes as many rows
+            self._rank_loads[rows] = [
+                (float(probs[held].sum()), float(np.sum(1.0 - (1.0 - probs[held]) ** served)) if served > 0 else 0.0)
+                for held in self.layout]
         shards = []
-        for held in self.layout:
-            load = float(probs[held].sum())
-            active = float(np.sum(1.0 - (1.0 - probs[held]) ** served)) if served > 0 else 0.0
+        for load, active in self._rank_loads[rows]:
             share = load / g.expert_replicas
             gemm = None if f.gemm is None else (f.gemm[0], _ceil(rows * share), f.gemm[2], f.gemm[3])
             shards.append(replace(f, gemm=gemm, flops=f.flops * share, kv_bytes=f.kv_bytes * share,
@@ -428,17 +432,18 @@ class _Sharder:
 
 
 def shard_kernels(graph: KernelGraph, features: list[KernelFeatures], group: DeviceGroup,
-                  routing: RoutingDistribution | None = None) -> list[KernelShard]:
+                  routing: RoutingDistribution | None = None, traffic: GraphTraffic | None = None) -> list[KernelShard]:
     """What one GPU of ``group`` runs of every kernel of ``graph``, and the collectives the kernels add.
 
     ``routing``: the experts' routing distribution (default: uniform over the first grouped GEMM's
-    experts, top-k from its rows per token); ignored for dense graphs."""
+    experts, top-k from its rows per token); ignored for dense graphs. ``traffic``: the graph's, where the
+    caller has it."""
     if len(features) != len(graph.kernels):
         raise DeviceGroupError(f"{len(features)} kernel features for a graph of {len(graph.kernels)} kernels; "
                                "extract the features of this graph")
     if routing is None:
         routing = default_routing(graph)
-    s = _Sharder(graph, group, routing)
+    s = _Sharder(graph, group, routing, traffic)
     rules = [kernel_rule(k, f) for k, f in zip(graph.kernels, features, strict=True)]
     out: list[KernelShard] = []
     for k, f, rule in zip(graph.kernels, features, rules, strict=True):
@@ -471,23 +476,33 @@ def shard_kernels(graph: KernelGraph, features: list[KernelFeatures], group: Dev
     return out
 
 
+_SHARD_KEY = tuple(f.name for f in fields(KernelFeatures) if f.name != "index")  # what a kernel's time depends on
+
+
 def group_kernel_times(graph: KernelGraph, features: list[KernelFeatures], model: CostModel, group: DeviceGroup,
-                       routing: RoutingDistribution | None = None) -> GroupTimes:
+                       routing: RoutingDistribution | None = None, whole_s: np.ndarray | None = None,
+                       traffic: GraphTraffic | None = None) -> GroupTimes:
     """Seconds of every kernel of ``graph`` on ``group``: the busiest GPU's sharded compute (roofline with
     the model's efficiency classes; the model's own time where the shard is the whole kernel) and the
-    collective each kernel adds on the group link."""
+    collective each kernel adds on the group link (``whole_s``: the model's times of the whole kernels on one
+    GPU, and ``traffic``, the graph's, where the caller has them)."""
     if model.device.id != group.spec.id:
         raise DeviceGroupError(f"the cost model is for {model.device.id} but the group is of {group.spec.id}; "
                                f"use a CostModel of {group.spec.id}")
-    shards = shard_kernels(graph, features, group, routing)
-    whole = model.kernel_costs(graph, features)
+    shards = shard_kernels(graph, features, group, routing, traffic)
+    whole = [c.time_s for c in model.kernel_costs(graph, features)] if whole_s is None else whole_s
     compute = np.empty(len(shards))
-    for i, (shard, f, cost) in enumerate(zip(shards, features, whole, strict=True)):
-        if shard.features == (f,):
-            compute[i] = cost.time_s
-        else:
-            compute[i] = max(kernel_time(sf, model.device, model.efficiency.for_kernel(sf.cost_class, sf.op),
-                                         model.options).time_s for sf in shard.features)
+    seen: dict[tuple, float] = {}  # a shard's time by its features but the kernel index: the layers repeat them
+
+    def shard_time(sf: KernelFeatures) -> float:
+        key = tuple(getattr(sf, name) for name in _SHARD_KEY)
+        if key not in seen:
+            seen[key] = kernel_time(sf, model.device, model.efficiency.for_kernel(sf.cost_class, sf.op),
+                                    model.options).time_s
+        return seen[key]
+
+    for i, (shard, f, t) in enumerate(zip(shards, features, whole, strict=True)):
+        compute[i] = t if shard.features == (f,) else max(shard_time(sf) for sf in shard.features)
     collective = np.array([s.collective_s for s in shards], dtype=float)
     return GroupTimes(compute, collective, compute + collective, tuple(s.rule for s in shards))
 

@@ -57,6 +57,22 @@ class MemorySpec:
         self.item_bytes = np.asarray(self.item_bytes, dtype=float)
         self.capacity = np.asarray(self.capacity, dtype=float)
 
+    def held(self, assignment) -> list[tuple[int, int]]:
+        """(item, device) for every item a kernel reads on the device ``assignment`` gives it, each pair once,
+        in the order ``reads`` first meets it."""
+        if not self.reads:
+            return []
+        reads = self._read_array
+        devices = np.asarray(assignment, dtype=np.int64)[reads[:, 0]]
+        width = int(devices.max()) + 1
+        pairs, first = np.unique(reads[:, 1] * width + devices, return_index=True)
+        pairs = pairs[np.argsort(first, kind="stable")]
+        return list(zip((pairs // width).tolist(), (pairs % width).tolist(), strict=True))
+
+    @cached_property
+    def _read_array(self) -> np.ndarray:
+        return np.asarray(self.reads, dtype=np.int64).reshape(-1, 2)  # ``reads`` does not change once built
+
     def readers(self) -> dict[int, list[int]]:
         """item -> kernels that read it."""
         out: dict[int, list[int]] = {}
