@@ -400,13 +400,14 @@ class Engine:
             positions.append(gen.sched.input + gen.sched.generated - 1)
             slots.append(gen.sched.slot)
             sampling.append(gen.sampling.inputs(len(gen.tokens)))
-        # padding rows write the last cache position of slot 0, which no request reads (a request's last decode
-        # step is at position max_context - 2): there need not be a free slot per padding row (the latency cap
-        # can leave more requests in flight than rows in its step)
+        # padding rows write the last cache position of the step's first row's slot, which no request reads (a
+        # request's last decode step is at position max_context - 2): there need not be a free slot per padding
+        # row (the latency cap can leave more requests in flight than rows in its step), and the step reads no
+        # slot but its requests' (slot 0's KV may be on its way from a prefill still running)
         for _ in range(step.rows - len(gens)):
             tokens.append(self.pad)
             positions.append(self.max_context - 1)
-            slots.append(0)
+            slots.append(slots[0] if slots else 0)
             sampling.append(Sampling().inputs(0))
         return {"input_ids": torch.tensor(tokens)[:, None], "positions": torch.tensor(positions),
                 "slots": torch.tensor(slots), **sampling_inputs(sampling)}
