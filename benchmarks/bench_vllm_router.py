@@ -4,6 +4,8 @@ Tessera's own engine, on the same cores in the same run.
 Deployments (smollm2-135m, each GPU target of a plan stood in for by one cpu worker of this host):
 - ``vllm-1``: one vLLM engine on every core (a homogeneous plan on cpu:1), benched directly AND through the
   router in front of it (the router's own cost: same engine, back to back);
+- ``vllm-1-core`` (only when asked for): the same on one core, the router on the other, as on a GPU host,
+  where the engine's work is on the GPU and the router has host cores of its own;
 - ``request-dist``: two replicas, one core each, behind the router (planned for A100:1,L40S:1);
 - ``prefill-decode``: prefill engine and decode engine, one core each, KV handed over (planned for A100:1,L40S:1);
 - ``mix``: the route mix planned for A100:1,L40S:1 at --mix-min-gain 0 (whole on the L40S, prefill on the
@@ -36,7 +38,9 @@ MODEL = "smollm2-135m"
 WORKLOADS = ("fixed:in=64,out=32,requests=32", "fixed:in=256,out=128,requests=64")
 WARM_UP = "fixed:in=64,out=16,requests=8"
 MIX_PLAN = ROOT / "tests" / "fixtures" / "plans" / "smollm2-135m_A100_L40S_mix.json"
-VLLM = ["--engine", "vllm", "--no-prefix-caching", "--max-context", "1024"]
+# the plan's shares (throughput) throughout: the benches load every route; `--shares auto` would start on the
+# fastest route alone
+VLLM = ["--engine", "vllm", "--no-prefix-caching", "--max-context", "1024", "--shares", "throughput"]
 DEPLOYMENTS = {
     "vllm-1": ["--cluster", "cpu:1", *VLLM, "--policy", "homogeneous", "--placement-for", "A100:1"],
     "vllm-1-core": ["--cluster", "cpu:1", "--threads", "1", *VLLM, "--policy", "homogeneous", "--placement-for",
@@ -99,7 +103,7 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(n for n in DEPLOYMENTS if n != "vllm-1-core"))
     ap.add_argument("--skip", default="")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--repeat", type=int, default=3, help="vllm-1: benches directly and through the router, "
+    ap.add_argument("--repeat", type=int, default=3, help="vllm-1, vllm-1-core: benches directly and through the router, "
                     "alternating, each this many times")
     ap.add_argument("--logs", type=Path, default=Path("/tmp/bench_vllm_router"))
     args = ap.parse_args()
@@ -115,10 +119,10 @@ def main() -> None:
             engines = httpx.get(url + "/health", timeout=5).json().get("engines", {})
             bench(url, WARM_UP)  # an engine's first requests after start run slower (not recorded)
             for workload in WORKLOADS:
-                if name == "vllm-1":  # the same engine directly and through the router, twice, alternating
+                if name.startswith("vllm-1"):  # the same engine directly and through the router, alternating
                     (engine_url,) = [e["url"] for e in engines.values()]
                     for attempt in range(1, args.repeat + 1):
-                        for label, target in (("vllm-1 direct", engine_url), ("vllm-1 via router", url)):
+                        for label, target in ((f"{name} direct", engine_url), (f"{name} via router", url)):
                             s = bench(target, workload)
                             results.append({"deployment": label, "attempt": attempt, "workload": workload, **s})
                             print(row(f"{label} #{attempt}", workload, s), flush=True)
@@ -128,18 +132,17 @@ def main() -> None:
                     print(row(name, workload, s), flush=True)
         finally:
             stop(proc)
-    overhead = [(w, [r for r in results if r["workload"] == w and r["deployment"].startswith("vllm-1")])
-                for w in WORKLOADS]
-    for w, rs in overhead:
-        direct = [r for r in rs if r["deployment"] == "vllm-1 direct"]
-        routed = [r for r in rs if r["deployment"] == "vllm-1 via router"]
-        if direct and routed:
-            d_tp = sum(r["throughput"] for r in direct) / len(direct)
-            r_tp = sum(r["throughput"] for r in routed) / len(routed)
-            d_ttft = sum(r["ttft_p50_s"] for r in direct) / len(direct)
-            r_ttft = sum(r["ttft_p50_s"] for r in routed) / len(routed)
-            print(f"router cost at {w}: throughput {r_tp / d_tp - 1:+.1%}, TTFT p50 {(r_ttft - d_ttft) * 1e3:+.0f} ms "
-                  f"(mean of {len(direct)} runs each)")
+    for name in (n for n in names if n.startswith("vllm-1")):
+        for w in WORKLOADS:
+            direct = [r for r in results if r["workload"] == w and r["deployment"] == f"{name} direct"]
+            routed = [r for r in results if r["workload"] == w and r["deployment"] == f"{name} via router"]
+            if direct and routed:
+                d_tp = sum(r["throughput"] for r in direct) / len(direct)
+                r_tp = sum(r["throughput"] for r in routed) / len(routed)
+                d_ttft = sum(r["ttft_p50_s"] for r in direct) / len(direct)
+                r_ttft = sum(r["ttft_p50_s"] for r in routed) / len(routed)
+                print(f"router cost ({name}) at {w}: throughput {r_tp / d_tp - 1:+.1%}, TTFT p50 "
+                      f"{(r_ttft - d_ttft) * 1e3:+.0f} ms (mean of {len(direct)} runs each)")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

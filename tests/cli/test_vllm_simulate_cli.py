@@ -43,7 +43,9 @@ def test_simulate_on_measured_vllm_step_times(steps):
 
 @pytest.mark.parametrize(("extra", "message"), [
     (["--engine", "sglang"], "--engine must be tessera or vllm (got 'sglang')"),
-    (["--step-times", "STEPS"], "--step-times times vLLM engines: give it with --engine vllm"),
+    (["--step-times", "STEPS"], "--step-times is an option of the vLLM simulator: give it with --engine vllm"),
+    (["--shares", "latency"], "--shares is an option of the vLLM simulator"),
+    (["--engine", "vllm", "--shares", "fastest"], "--shares must be one of auto, throughput, latency"),
     (["--engine", "vllm", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be at least 1"),
     (["--engine", "vllm", "--step-times", "/nonexistent/steps.json"], "/nonexistent/steps.json"),
 ])

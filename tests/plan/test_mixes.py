@@ -220,6 +220,11 @@ def test_a_lower_margin_adopts_the_mix_and_its_plan_names_three_engines_on_two_d
     planned = {r["policy"]: r["share"] for r in tess.extra["routes"]}
     assert shares == {("whole@L40S",): pytest.approx(planned["homogeneous"]),
                       ("prefill@L40S", "decode@A100"): pytest.approx(planned["prefill-decode"])}
+    # each route carries its own plan's request latency (what the router's latency shares pick by)
+    latency = {r.hops: r.latency_s for r in layout.routes}
+    planned_latency = {r["policy"]: r["latency_s"] for r in tess.extra["routes"]}
+    assert latency == {("whole@L40S",): planned_latency["homogeneous"],
+                       ("prefill@L40S", "decode@A100"): planned_latency["prefill-decode"]}
     assert layout.runnable_on == ("vllm",)  # Tessera's runtime does not run mixes (yet)
     again = DeploymentPlan.load(tess.save(tmp_path / "mix.json"))
     assert again.layout == layout

@@ -72,7 +72,7 @@ def served(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("vllm-logs")
     cmd = [sys.executable, "-m", "tessera", "serve", MODEL, "--cluster", "cpu:2", "--engine", "vllm", "--plan",
            str(PLAN), "--port", "0", "--no-prefix-caching", "--max-context", "512", "--log-dir", str(log_dir),
-           "--vllm-python", str(VLLM_PYTHON)]
+           "--vllm-python", str(VLLM_PYTHON), "--shares", "throughput"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, "COLUMNS": "400"})
     lines: list[str] = []

@@ -4,6 +4,7 @@ predicted step times, and the plans vLLM cannot run refused."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,9 @@ import pytest
 from tessera.cost.engine_steps import EngineStepTimes
 from tessera.plan.config import PlanConfig
 from tessera.plan.deployment import DeploymentPlan
+from tessera.plan.shares import ShareSwitchError
 from tessera.sim.config import SimulationConfig
-from tessera.sim.vllm_deployment import predicted_step_times, vllm_engines
+from tessera.sim.vllm_deployment import predicted_step_times, share_switch, vllm_engines
 from tessera.sim.vllm_engines import VLLMSimulationError, simulate_vllm
 
 PLANS = Path(__file__).resolve().parents[1] / "fixtures" / "plans"
@@ -52,6 +54,40 @@ def test_the_mix_serves_every_request_along_its_shares(mix):
     two_hops = sum(len(r.hops) == 2 for r in result.requests)
     share = next(r.share for r in plan.layout.routes if len(r.hops) == 2)
     assert abs(two_hops - 100 * share) <= 1
+
+
+def _with_latency(plan: DeploymentPlan, fastest_hops: int) -> DeploymentPlan:
+    """The plan with its routes' planned latencies (the fixture predates them): the route of
+    ``fastest_hops`` hops the fastest."""
+    routes = tuple(replace(r, latency_s=1.0 if len(r.hops) == fastest_hops else 2.0) for r in plan.layout.routes)
+    return replace(plan, layout=replace(plan.layout, routes=routes))
+
+
+def test_the_router_share_switch_in_the_simulator(mix):
+    ctx, plan = mix
+    plan = _with_latency(plan, fastest_hops=1)
+    engines, routes = vllm_engines(ctx, plan, MEASURED)
+    whole = next(r for r in plan.layout.routes if len(r.hops) == 1)
+    capacity = plan.layout.engine(whole.hops[0]).max_num_seqs
+    # light load (each request done before the next arrives): every request on the fastest route
+    spaced = simulate_vllm(engines, routes, [(10.0 * i, 64, 8) for i in range(12)], share_switch(plan, "auto"))
+    assert all(len(r.hops) == 1 for r in spaced.requests)
+    # a burst: the fastest route until its engine is full, then the plan's shares
+    n = capacity + 100
+    engines, routes = vllm_engines(ctx, plan, MEASURED)
+    switch = share_switch(plan, "auto")
+    burst = simulate_vllm(engines, routes, [(0.0, 64, 8)] * n, switch)
+    assert burst.summary()["completed"] == n and switch.switch_count == 1
+    assert all(len(r.hops) == 1 for r in burst.requests[:capacity])
+    two_hops = sum(len(r.hops) == 2 for r in burst.requests[capacity:])
+    share = next(r.share for r in plan.layout.routes if len(r.hops) == 2)
+    assert abs(two_hops - 100 * share) <= 1
+    # the plan's shares throughout, and a plan whose routes say no latency cannot take the latency shares
+    engines, routes = vllm_engines(ctx, plan, MEASURED)
+    fixed = simulate_vllm(engines, routes, [(10.0 * i, 64, 8) for i in range(12)], share_switch(plan, "throughput"))
+    assert any(len(r.hops) == 2 for r in fixed.requests)
+    with pytest.raises(ShareSwitchError, match="do not say their latency"):
+        share_switch(mix[1], "latency")
 
 
 def test_predicted_step_times_follow_the_devices(mix):

@@ -38,14 +38,24 @@ def serve_vllm(cfg, sock: socket.socket, url: str, api_key: str | None, max_body
         _fail(e)
     deployment = prepared.deployment
     supervisor = Supervisor(list(deployment.launches), prepared.logs, say=say)
-    router = deployment_router(deployment, RouterOptions(cfg.model, api_key, max_body_bytes, max_in_flight),
-                               supervisor)
+    try:
+        router = deployment_router(deployment, RouterOptions(cfg.model, api_key, max_body_bytes, max_in_flight,
+                                                             shares=cfg.shares, cooldown_s=cfg.cooldown_s), supervisor)
+    except TesseraError as e:
+        sock.close()
+        _fail(e)
     router.ready = False  # 503 until every engine is up
     cleaner = StoreCleaner(prepared.store).start()
     code = [0]
     say(f"plan: {prepared.how}; engine logs in {prepared.logs}")
     for r in deployment.routes:
-        say(f"route {r.name}: {r.share:.0%} of requests via {' -> '.join(r.hops)}")
+        latency = f", planned latency {r.latency_s:.3g} s" if r.latency_s is not None else ""
+        say(f"route {r.name}: {r.share:.0%} of requests via {' -> '.join(r.hops)}{latency}")
+    if router.table.switch.fastest is not None:
+        say(f"route shares: {cfg.shares} (now {router.table.switch.mode}: "
+            + ("the plan's" if router.table.switch.mode == "throughput" else
+               f"all on {router.table.switch.fastest.name} until {router.table.switch.capacity} are in flight")
+            + ")")
 
     def start() -> None:
         try:
@@ -85,6 +95,9 @@ def route(
                                 "KEY' on /v1 requests."),
     max_in_flight: int = typer.Option(512, "--max-in-flight", help="Requests forwarded at once; beyond it 429 with "
                                       "Retry-After."),
+    shares: str = typer.Option("auto", "--shares", help="Route shares: auto (all on the plan's fastest route until "
+                               "its engine is full, then the plan's shares) | throughput (the plan's) | latency."),
+    cooldown_s: float = typer.Option(1.0, "--cooldown-s", help="Least time between two switches of the shares."),
     shutdown_timeout: float = typer.Option(10.0, "--shutdown-timeout", help="Seconds SIGTERM waits for requests in "
                                            "flight."),
 ) -> None:
@@ -113,7 +126,8 @@ def route(
                                  + f" (the plan's engines: {', '.join(sorted(names))})")
         engines = {e.name: (e, urls[e.name], connector if e.kv_role else None) for e in plan.layout.engines}
         router = router_for(plan.layout.routes, engines, RouterOptions(model_id or plan.model, api_key,
-                                                                        max_in_flight=max_in_flight))
+                                                                        max_in_flight=max_in_flight, shares=shares,
+                                                                        cooldown_s=cooldown_s))
         sock = listen(host, port)
     except TesseraError as e:
         _fail(e)

@@ -87,6 +87,9 @@ def serve(
                                        "worker, GiB."),
     max_in_flight: int = typer.Option(512, "--max-in-flight", help="--engine vllm: requests the router forwards at "
                                       "once (429 with Retry-After beyond)."),
+    shares: str = typer.Option(None, "--shares", help="--engine vllm: the router's route shares: auto (all on the "
+                               "plan's fastest route until its engine is full, then the plan's shares; the default) | "
+                               "throughput (the plan's) | latency."),
     log_dir: Path = typer.Option(None, "--log-dir", help="--engine vllm: the engines' logs (default: a new temporary "
                                  "folder, named at start)."),
 ) -> None:
@@ -102,7 +105,8 @@ def serve(
     if engine == "vllm":
         code = _serve_vllm(model, cluster, policy, plan_file, placement_for, mix_min_gain, vllm_python,
                            max_context, enforce_eager, prefix_caching, kv_cache_gib, log_dir, host, port, api_key,
-                           max_body_bytes, max_in_flight, limits, shutdown_timeout, threads)
+                           max_body_bytes, max_in_flight, limits, shutdown_timeout, threads, shares or "auto",
+                           cooldown_s)
         if code:
             raise typer.Exit(code)
         return
@@ -110,7 +114,7 @@ def serve(
         if engine != "tessera":
             raise ServeOptionError(f"--engine must be tessera or vllm (got {engine!r})")
         for name, given in (("--plan", plan_file), ("--placement-for", placement_for),
-                            ("--mix-min-gain", mix_min_gain)):
+                            ("--mix-min-gain", mix_min_gain), ("--shares", shares)):
             if given is not None:
                 raise ServeOptionError(f"{name} is an option of --engine vllm; `tessera serve --engine tessera` "
                                        "plans --policy for its cpu workers itself")
@@ -150,11 +154,12 @@ def serve(
 
 def _serve_vllm(model, cluster, policy, plan_file, placement_for, mix_min_gain, vllm_python, max_context,
                 enforce_eager, prefix_caching, kv_cache_gib, log_dir, host, port, api_key, max_body_bytes,
-                max_in_flight, limits, shutdown_timeout, threads) -> int:
+                max_in_flight, limits, shutdown_timeout, threads, shares, cooldown_s) -> int:
     """`tessera serve --engine vllm`: the options checked, the router's socket bound, then the engines."""
     from tessera.cli.engines import serve_vllm
     from tessera.engines.vllm import default_python
     from tessera.plan.config import check_policy
+    from tessera.plan.shares import SHARE_MODES
     from tessera.router.launch import VLLMServeConfig
 
     try:
@@ -166,6 +171,8 @@ def _serve_vllm(model, cluster, policy, plan_file, placement_for, mix_min_gain, 
             raise ServeOptionError(f"--kv-cache-gib must be positive (got {kv_cache_gib})")
         if max_in_flight < 1:
             raise ServeOptionError(f"--max-in-flight must be at least 1 (got {max_in_flight})")
+        if shares not in SHARE_MODES:
+            raise ServeOptionError(f"--shares must be one of {', '.join(SHARE_MODES)} (got {shares!r})")
         if not 0 <= port <= 65535:
             raise ServeOptionError(f"--port must be 0..65535 (got {port})")
         if threads is not None and threads < 1:
@@ -174,7 +181,8 @@ def _serve_vllm(model, cluster, policy, plan_file, placement_for, mix_min_gain, 
             raise ServeOptionError(f"--max-context must be at least 16 for vLLM (got {max_context})")
         cfg = VLLMServeConfig(model, cluster, str(plan_file) if plan_file else None, policy, placement_for,
                               mix_min_gain, vllm_python or default_python(), max_context, enforce_eager, prefix_caching,
-                              int(kv_cache_gib * (1 << 30)), str(log_dir) if log_dir else None, threads)
+                              int(kv_cache_gib * (1 << 30)), str(log_dir) if log_dir else None, threads, shares,
+                              cooldown_s)
         from tessera.capture.models import resolve_model
 
         resolve_model(model)

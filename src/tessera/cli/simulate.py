@@ -56,6 +56,8 @@ def simulate(
     max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", help="With --engine vllm: the "
                                                "token budget of one engine step (vLLM's default for its OpenAI "
                                                "server on a CPU and on GPUs under 70 GB)."),
+    shares: str = typer.Option(None, "--shares", help="With --engine vllm: the router's route shares, as `tessera "
+                               "serve --engine vllm --shares` (auto, the default | throughput | latency)."),
     factors: Path = opt.FACTORS,
     as_json: bool = opt.JSON,
 ) -> None:
@@ -74,10 +76,10 @@ def simulate(
                                              routing_skew=skew,
                                              admission=AdmissionConfig(max_num_seqs, memory_utilization, block_size)),
                                   plan_file, max_context, seed)
-        _check_engine(engine, step_times, max_num_batched_tokens)
+        _check_engine(engine, step_times, max_num_batched_tokens, shares)
         ctx, plan = config.deployment(progress=lambda s: _err.print(f"[dim]{s}[/]"))
         if engine == "vllm":
-            _simulate_vllm(ctx, plan, config, step_times, max_num_batched_tokens, as_json)
+            _simulate_vllm(ctx, plan, config, step_times, max_num_batched_tokens, shares or "auto", as_json)
             return
         with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=_err, transient=True, disable=as_json) as bar:
@@ -115,29 +117,33 @@ def simulate(
         _out.print(f"  rejected: {line}")
 
 
-def _check_engine(engine: str, step_times: Path | None, max_num_batched_tokens: int) -> None:
+def _check_engine(engine: str, step_times: Path | None, max_num_batched_tokens: int, shares: str | None) -> None:
+    from tessera.plan.shares import SHARE_MODES
     from tessera.sim.vllm_engines import VLLMSimulationError
 
     if engine not in ("tessera", "vllm"):
         raise VLLMSimulationError(f"--engine must be tessera or vllm (got {engine!r})")
-    if engine == "tessera" and step_times is not None:
-        raise VLLMSimulationError("--step-times times vLLM engines: give it with --engine vllm")
+    for name, given in (("--step-times", step_times), ("--shares", shares)):
+        if engine == "tessera" and given is not None:
+            raise VLLMSimulationError(f"{name} is an option of the vLLM simulator: give it with --engine vllm")
+    if shares is not None and shares not in SHARE_MODES:
+        raise VLLMSimulationError(f"--shares must be one of {', '.join(SHARE_MODES)} (got {shares!r})")
     if max_num_batched_tokens < 1:
         raise VLLMSimulationError(f"--max-num-batched-tokens must be at least 1 (got {max_num_batched_tokens})")
 
 
 def _simulate_vllm(ctx, plan, config: SimulationConfig, step_times: Path | None, max_num_batched_tokens: int,
-                   as_json: bool) -> None:
+                   shares: str, as_json: bool) -> None:
     """`tessera simulate --engine vllm`: the plan's engines under vLLM's scheduling; prints the summary."""
     from tessera.cost.engine_steps import EngineStepTimes
-    from tessera.sim.vllm_deployment import vllm_engines
+    from tessera.sim.vllm_deployment import share_switch, vllm_engines
     from tessera.sim.vllm_engines import simulate_vllm
     from tessera.workload import draw_requests
 
     measured = EngineStepTimes.load(step_times) if step_times is not None else None
     engines, routes = vllm_engines(ctx, plan, measured, max_num_batched_tokens,
                                    progress=lambda s: _err.print(f"[dim]{s}[/]"))
-    result = simulate_vllm(engines, routes, draw_requests(ctx.workload, config.seed))
+    result = simulate_vllm(engines, routes, draw_requests(ctx.workload, config.seed), share_switch(plan, shares))
     summary = result.summary()
     summary.update(model=plan.model, policy=plan.policy, workload=ctx.workload_text, engine="vllm",
                    cluster=ctx.cluster.describe(), step_times=str(step_times) if step_times else "predicted")

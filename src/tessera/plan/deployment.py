@@ -103,12 +103,14 @@ class PlannedEngine:
 
 @dataclass(frozen=True)
 class PlannedRoute:
-    """A path requests take: ``hops`` are engine names (one: served whole; two: prefill, then decode), and
-    ``share`` the fraction of requests the plan sends along it."""
+    """A path requests take: ``hops`` are engine names (one: served whole; two: prefill, then decode),
+    ``share`` the fraction of requests the plan sends along it, and ``latency_s`` its planned request latency
+    (None in plan files written before routes carried it)."""
 
     name: str
     share: float
     hops: tuple[str, ...]
+    latency_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from tessera.plan.deployment import (
     EngineLayout,
     PlannedEngine,
     PlannedRoute,
+    StateMove,
     StepPlan,
     lanes,
 )
@@ -35,10 +36,13 @@ PROMPT_PHASES = ("prefill", "encode")  # the phases a request passes once, befor
 
 
 @dataclass
-class _Part:
-    """One single-engine plan inside a deployment (the plan itself, a request-dist replica group, a mix's
-    route), before its engines are named and placed on devices."""
+class EnginePart:
+    """One single-engine plan inside a deployment, with its step plans: the plan itself, a request-dist
+    replica group (``kind`` ``replica``) or a mix's route (``route``). The one reader of the plan's per-part
+    records (``extra["replicas"]``, ``extra["routes"]``); the engine layout, the launcher and the simulator
+    all start from these."""
 
+    kind: str  # plan | replica | route
     name: str  # of its routes: the policy, and the device of a single-device part
     steps: list[StepPlan]
     targets: list[str]  # the part's own target names, indexed by its steps' assignments
@@ -47,6 +51,17 @@ class _Part:
     admission: EngineAdmission | None
     memory: dict[str, float] = field(default_factory=dict)  # target -> planned bytes of one replica
     group: int = 0  # parts of one group that decode on one device are one engine there (a one-engine mix)
+    latency_s: float | None = None  # its planned request latency
+    throughput: float = 0.0  # planned, over all its replicas (the plan's unit)
+    rate: float | None = None  # a route's planned requests per second
+    state_moves: list[StateMove] = field(default_factory=list)  # explicit state copies between its phases
+    device: str | None = None  # a single-device part's device type (request-dist's replicas, homogeneous)
+    index: int = 0  # its place among the deployment's parts
+
+    @property
+    def one_engine(self) -> bool:
+        """Whether this route runs on another route's engine (a one-engine mix)."""
+        return self.kind == "route" and self.group != self.index
 
 
 def engine_layout(plan: DeploymentPlan, cluster: Cluster, memory_utilization: float,
@@ -57,10 +72,10 @@ def engine_layout(plan: DeploymentPlan, cluster: Cluster, memory_utilization: fl
     its own route whole is one engine with both roles."""
     if not (plan.applicable and plan.feasible) or not plan.steps:
         return EngineLayout()
-    parts = _parts(plan, objective)
+    parts = engine_parts(plan, objective)
     devices = _devices_by_target(cluster)
     drafts: list[dict[str, Any]] = []
-    routes: list[tuple[_Part, int, list[int]]] = []
+    routes: list[tuple[EnginePart, int, list[int]]] = []
     for part in parts:
         for r in range(part.replicas):
             hops = []
@@ -89,8 +104,8 @@ def engine_layout(plan: DeploymentPlan, cluster: Cluster, memory_utilization: fl
             nodes=tuple(n for _, n in ids), max_num_seqs=adm.max_seqs if adm else max(s.batch for s in part.steps),
             kv_tokens=adm.kv_tokens if adm else None, block_size=adm.block_size if adm else 16,
             memory_fraction=round(fraction, 4)))
-    planned = [PlannedRoute(_route_name(part, r), part.share / part.replicas, tuple(names[h] for h in hops))
-               for part, r, hops in routes]
+    planned = [PlannedRoute(_route_name(part, r), part.share / part.replicas, tuple(names[h] for h in hops),
+                            part.latency_s) for part, r, hops in routes]
     return EngineLayout(tuple(engines), tuple(planned))
 
 
@@ -99,25 +114,28 @@ def _engine_name(draft: dict[str, Any], replicated: bool) -> str:
     return f"{'/'.join(draft['roles'])}@{'+'.join(draft['targets'])}" + (f"#{draft['replica']}" if replicated else "")
 
 
-def _parts(plan: DeploymentPlan, objective: str) -> list[_Part]:
-    """The single-engine plans inside ``plan``: request-dist's replica groups, a mix's routes, or itself."""
+def engine_parts(plan: DeploymentPlan, objective: str = "throughput") -> list[EnginePart]:
+    """The single-engine plans inside ``plan`` with their ``objective`` step plans: request-dist's replica
+    groups, a mix's routes, or the plan itself."""
     steps = [s for s in plan.steps if s.objective == objective]
     if plan.extra.get("replicas"):
         total = sum(p["throughput"] for p in plan.extra["replicas"]) or 1.0
-        return [_Part(_label(p), [s for s in steps if s.solver.get("replica_of") == p["device"]], list(p["targets"]),
-                      p["replicas"], p["throughput"] / total, _admission(p.get("admission")),
-                      _memory(p["targets"], p.get("memory_gb")), group=k)
+        return [EnginePart("replica", _label(p), [s for s in steps if s.solver.get("replica_of") == p["device"]],
+                           list(p["targets"]), p["replicas"], p["throughput"] / total, _admission(p.get("admission")),
+                           _memory(p["targets"], p.get("memory_gb")), group=k, latency_s=p.get("latency_s"),
+                           throughput=p["throughput"], state_moves=list(plan.state_moves), device=p["device"], index=k)
                 for k, p in enumerate(plan.extra["replicas"])]
     if plan.extra.get("routes"):
-        out = []
-        for k, route in enumerate(plan.extra["routes"]):
-            mine = [s for s in steps if s.solver.get("route_of") == k]
-            out.append(_Part(_label(route), mine, list(route["targets"]), 1, float(route["share"]),
-                             _admission(route.get("admission")), _memory(route["targets"], route.get("memory_gb")),
-                             group=int(route.get("engine", k))))
-        return out
-    return [_Part(_label(plan.summary()), steps, list(plan.targets), max(plan.replicas, 1), 1.0, plan.admission,
-                  dict(zip(plan.targets, plan.memory_bytes, strict=False)))]
+        return [EnginePart("route", _label(r), [s for s in steps if s.solver.get("route_of") == k], list(r["targets"]),
+                           1, float(r["share"]), _admission(r.get("admission")), _memory(r["targets"], r.get("memory_gb")),
+                           group=int(r.get("engine", k)), latency_s=r.get("latency_s"), throughput=r["throughput"],
+                           rate=float(r["rate"]), state_moves=[StateMove(**m) for m in r["state_moves"]],
+                           device=r.get("device"), index=k)
+                for k, r in enumerate(plan.extra["routes"])]
+    return [EnginePart("plan", _label(plan.summary()), steps, list(plan.targets), max(plan.replicas, 1), 1.0,
+                       plan.admission, dict(zip(plan.targets, plan.memory_bytes, strict=False)),
+                       latency_s=plan.latency_s, throughput=plan.throughput, state_moves=list(plan.state_moves),
+                       device=plan.device)]
 
 
 def _label(summary: dict[str, Any]) -> str:
@@ -149,7 +167,7 @@ def _roles(steps: list[StepPlan], targets: list[str]) -> list[tuple[tuple[str, .
     return [((SPLIT,), [targets[t] for t in every])]
 
 
-def _route_name(part: _Part, replica: int) -> str:
+def _route_name(part: EnginePart, replica: int) -> str:
     return part.name + (f"#{replica}" if part.replicas > 1 else "")
 
 
@@ -169,4 +187,4 @@ def _replica_devices(devices: dict[str, list[tuple[str, str]]], target: str, rep
     return chosen or pool[:n]
 
 
-__all__ = ["engine_layout"]
+__all__ = ["EnginePart", "engine_layout", "engine_parts"]

@@ -56,13 +56,16 @@ class RouterStats:
 @dataclass
 class RouterOptions:
     """The router's settings: the model id it serves, the API key, body limit, how many requests it forwards
-    at once, and how long one forwarded request may take."""
+    at once, how long one forwarded request may take, and which route shares it uses (`tessera.plan.shares`:
+    auto, throughput or latency) with the least time between two switches."""
 
     model_id: str
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     max_in_flight: int = 512
     timeout_s: float = 600.0
+    shares: str = "auto"
+    cooldown_s: float = 1.0
 
 
 class Router:
@@ -206,6 +209,7 @@ def create_router_app(router: Router) -> FastAPI:
         elif not router.ready:
             status, detail = "starting", "starting the engines: " + (detail or "waiting for their first health check")
         body = {"status": status, "detail": detail,
+                **({"shares": router.table.switch.mode} if router.table.switch is not None else {}),
                 "engines": {e.name: {"state": e.state, "url": e.url, "in_flight": e.in_flight,
                                      **({"detail": e.detail} if e.detail else {})}
                             for e in router.table.endpoints.values()}}
@@ -250,7 +254,7 @@ def _check_model(model: str, served: str) -> None:
 
 def render_metrics(router: Router) -> str:
     """The router's Prometheus text: requests per route and outcome, fallbacks, rejections, requests in
-    flight, and per engine whether it is up, its requests in flight, failures, exits and restarts."""
+    flight, the shares in use and their switches, and per engine whether it is up, its requests in flight, failures, exits and restarts."""
     lines: list[str] = []
     s = router.stats
     metric(lines, "tessera_router_requests_total", "counter", "Requests forwarded, per route and outcome (ok, error, "
@@ -262,6 +266,13 @@ def render_metrics(router: Router) -> str:
     metric(lines, "tessera_router_rejected_total", "counter", "Requests refused before forwarding (full: 429; "
            "draining or no route open: 503).", [(f'{{reason="{r}"}}', n) for r, n in sorted(s.rejected.items())])
     metric(lines, "tessera_router_in_flight", "gauge", "Requests being forwarded now.", [("", s.in_flight)])
+    switch = router.table.switch
+    if switch is not None:
+        metric(lines, "tessera_router_shares", "gauge", "1 for the route shares the router uses now (throughput: "
+               "the plan's; latency: all on its fastest route).",
+               [(f'{{shares="{m}"}}', 1 if switch.mode == m else 0) for m in ("throughput", "latency")])
+        metric(lines, "tessera_router_share_switches_total", "counter", "Times the router switched between the "
+               "throughput and the latency shares.", [("", switch.switch_count)])
     engines = router.table.endpoints.values()
     metric(lines, "tessera_engine_up", "gauge", "1 while the engine answers /health.",
            [(f'{{engine="{label_value(e.name)}"}}', 1 if e.up else 0) for e in engines])

@@ -21,6 +21,7 @@ from tessera.engines.process import Supervisor
 from tessera.engines.vllm import VLLMOptions, VLLMSetupError, check_python
 from tessera.errors import TesseraError
 from tessera.plan.deployment import DeploymentPlan, PlannedEngine, PlannedRoute
+from tessera.plan.shares import ShareSwitch
 from tessera.router.app import Router, RouterOptions
 from tessera.router.table import Endpoint, RouteTable
 
@@ -29,7 +30,7 @@ from tessera.router.table import Endpoint, RouteTable
 class VLLMServeConfig:
     """What `tessera serve --engine vllm` starts: the model, ``cpu:N`` workers, the plan (a file, or a policy
     planned for ``placement_for`` or the workers), the vLLM environment's interpreter, the engines' options,
-    and where their logs go."""
+    where their logs go, and the router's route shares (`tessera.plan.shares`) with their cool-down."""
 
     model: str
     cluster: str = "cpu:2"
@@ -44,6 +45,8 @@ class VLLMServeConfig:
     kv_bytes: int = 1 << 30
     log_dir: str | None = None
     threads: int | None = None  # cores per worker (default: the host's cores split evenly)
+    shares: str = "auto"
+    cooldown_s: float = 1.0
 
 
 def serving_plan(cfg: VLLMServeConfig, log: Callable[[str], None]) -> tuple[DeploymentPlan, str]:
@@ -133,10 +136,17 @@ def prepare_vllm(cfg: VLLMServeConfig, log: Callable[[str], None]) -> Prepared:
 
 def router_for(deployment_routes: tuple[PlannedRoute, ...], engines: dict[str, tuple[PlannedEngine, str, str | None]],
                options: RouterOptions, supervisor: Supervisor | None = None) -> Router:
-    """The router over ``engines`` (name -> (planned engine, URL, KV connector)) along the plan's routes; with
-    a ``supervisor``, its restarts and exits show in /health and /metrics."""
+    """The router over ``engines`` (name -> (planned engine, URL, KV connector)) along the plan's routes, in
+    the shares ``options.shares`` chooses; with a ``supervisor``, its restarts and exits show in /health and
+    /metrics.
+
+    Raises:
+        ShareSwitchError: the shares asked for cannot be used with these routes.
+    """
     endpoints = {name: Endpoint(e, url.rstrip("/"), connector) for name, (e, url, connector) in engines.items()}
-    table = RouteTable(endpoints, list(deployment_routes))
+    switch = ShareSwitch(list(deployment_routes), {n: e for n, (e, _, _) in engines.items()}, options.shares,
+                         cooldown_s=options.cooldown_s)
+    table = RouteTable(endpoints, list(deployment_routes), switch)
     status = None
     if supervisor is not None:
         def status() -> dict[str, dict]:

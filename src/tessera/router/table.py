@@ -6,15 +6,19 @@ route has taken within one of its share of n). A route is open while every engin
 prefill-decode route whose prefill engine is down stays open as a whole request on its decode engine (that
 engine computes the prompt itself: a fallback, counted); a route whose last engine is down is closed and
 its share goes to the open ones. Where several routes are open with equal standing the one whose engines
-have the fewest requests in flight goes first.
+have the fewest requests in flight goes first. Which shares apply, the plan's or all on its fastest route, is
+the share switch's choice (`tessera.plan.shares`), looked at on every pick.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tessera.plan.deployment import DECODE, PREFILL, PlannedEngine, PlannedRoute
+from tessera.plan.shares import ShareSwitch, SmoothRoundRobin, key
 
 
 @dataclass
@@ -60,11 +64,14 @@ class NoRoute(Exception):
 
 @dataclass
 class RouteTable:
-    """The plan's routes over the deployment's endpoints."""
+    """The plan's routes over the deployment's endpoints; ``switch`` chooses the shares (None: the plan's)."""
 
     endpoints: dict[str, Endpoint]
     routes: list[PlannedRoute]
-    _credit: dict[str, float] = field(default_factory=dict)
+    switch: ShareSwitch | None = None
+    clock: Callable[[], float] = time.monotonic
+    in_flight: int = 0  # requests picked and not yet released
+    _robin: SmoothRoundRobin = field(default_factory=SmoothRoundRobin)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -74,7 +81,6 @@ class RouteTable:
                 raise ValueError(f"route {r.name} visits {', '.join(missing)}, which the deployment has no endpoint for")
             if len(r.hops) not in (1, 2):
                 raise ValueError(f"route {r.name} has {len(r.hops)} hops; a route is one engine, or prefill then decode")
-        self._credit = {r.name + "|" + "/".join(r.hops): 0.0 for r in self.routes}
 
     def hops(self, route: PlannedRoute) -> Hops | None:
         """How ``route`` runs now: its planned hops, a fallback to its decode engine alone, or None (closed)."""
@@ -89,7 +95,7 @@ class RouteTable:
         return Hops(route.name, last, None, fallback=True)
 
     def pick(self) -> Hops:
-        """The hops of the next request (smooth weighted round robin over the open routes' shares).
+        """The hops of the next request (smooth weighted round robin over the open routes' shares now).
 
         Raises:
             NoRoute: every route is closed.
@@ -98,15 +104,26 @@ class RouteTable:
             open_ = [(r, h) for r in self.routes if (h := self.hops(r)) is not None]
             if not open_:
                 raise NoRoute(self.closed_reason())
-            total = sum(r.share for r, _ in open_) or 1.0
-            for r, _ in open_:
-                self._credit[self._key(r)] += r.share / total
-            r, h = max(open_, key=lambda x: (self._credit[self._key(x[0])],
-                                             -sum(self.endpoints[n].in_flight for n in x[1].names)))
-            self._credit[self._key(r)] -= 1.0
+            shares = self._shares()
+            chosen = {key(r): (r, h) for r, h in open_ if shares[key(r)] > 0}
+            if not chosen:  # the latency shares' one route is closed: the plan's shares over the open routes
+                shares = {key(r): r.share for r in self.routes}
+                chosen = {key(r): (r, h) for r, h in open_}
+            k = self._robin.pick({k: shares[k] for k in chosen},
+                                 tie=lambda k: sum(self.endpoints[n].in_flight for n in chosen[k][1].names))
+            r, h = chosen[k]
             for name in h.names:
                 self.endpoints[name].in_flight += 1
+            self.in_flight += 1
             return h
+
+    def _shares(self) -> dict[str, float]:
+        """The shares of this pick: the switch's (after it looks at the requests in flight), or the plan's."""
+        if self.switch is None:
+            return {key(r): r.share for r in self.routes}
+        if self.switch.observe(self.clock(), self.in_flight) is not None:
+            self._robin.reset()  # the new shares' round robin starts afresh
+        return self.switch.shares()
 
     def release(self, hops: Hops, prefill_only: bool = False) -> None:
         """A request on ``hops`` is over (``prefill_only``: its prefill hop is)."""
@@ -115,6 +132,8 @@ class RouteTable:
                     (hops.prefill, hops.decode):
                 if e is not None:
                     e.in_flight = max(0, e.in_flight - 1)
+            if not prefill_only:
+                self.in_flight = max(0, self.in_flight - 1)
             if prefill_only:
                 hops.released_prefill = True
 
@@ -136,10 +155,6 @@ class RouteTable:
         fallback = [r.name for r in self.routes if (h := self.hops(r)) is not None and h.fallback]
         extra = f"; {', '.join(fallback)} prefill on their decode engine" if fallback else ""
         return "degraded", f"{names}; serving through {', '.join(open_routes)}{extra}"
-
-    @staticmethod
-    def _key(route: PlannedRoute) -> str:
-        return route.name + "|" + "/".join(route.hops)
 
 
 __all__ = ["Endpoint", "Hops", "NoRoute", "RouteTable"]

@@ -129,7 +129,7 @@ class _Part:
     waiting: set[int] = field(default_factory=set)
     replies: dict[int, Reply] = field(default_factory=dict)
     outputs: list[dict[str, torch.Tensor]] | None = None  # given by a replay (after a lost worker)
-    timing: StepTiming | None = None
+    done_s: float = 0.0  # when its last reply was read (time.monotonic, as submitted_s)
 
 
 @dataclass(eq=False)
@@ -575,7 +575,7 @@ class DistributedRunner:
         made.nbytes += sp.cut_bytes
         order = sorted(part.replies)
         replies = part.replies
-        timing = StepTiming(part.phase, max(replies[w].seconds for w in order),
+        timing = StepTiming(part.phase, max(0.0, part.done_s - part.submitted_s),
                             [replies[w].seconds for w in order], [replies[w].compute_s for w in order],
                             [replies[w].timeline for w in order] if part.trace else [],
                             [self.pool.devices[w] for w in order], [replies[w].t0 for w in order])
@@ -600,6 +600,7 @@ class DistributedRunner:
             part.replies[w] = reply
             self._unread[w] -= 1
             if not part.waiting:  # rows it pushed on can be received now, after what their worker runs
+                part.done_s = time.monotonic()
                 self._land([p for p in self._transit if p.part == sid])
         elif sid in self._background:
             self._background[sid].discard(w)

@@ -81,14 +81,17 @@ class WorkerPool:
         self.epoch = 0  # process groups formed so far
         self._arenas: dict[str, Any] = {}  # shared-memory output arenas of local workers, by name
         self.pending: dict[int, deque[str]] = {w: deque() for w in range(len(devices))}  # unanswered reply keys
-        self._spawn: tuple[list[str], float] | None = None  # local pools: (devices, transfer timeout) to respawn
+        # local pools: (devices, transfer timeout, CUDA graphs) to respawn with
+        self._spawn: tuple[list[str], float, bool] | None = None
 
     @classmethod
     def local(cls, workers: int, threads: int | None = None, devices: list[str] | None = None,
-              transfer_timeout_s: float = 30.0, backend: str = "gloo", allow_lost: bool = False) -> WorkerPool:
+              transfer_timeout_s: float = 30.0, backend: str = "gloo", allow_lost: bool = False,
+              cuda_graphs: bool = True) -> WorkerPool:
         """Spawn ``workers`` processes on this host with ``threads`` torch threads each (cores / workers).
         ``allow_lost``: a worker lost while starting is left out (in ``lost``) as long as one starts; else it
-        raises WorkerLost."""
+        raises WorkerLost. ``cuda_graphs``: CUDA workers replay their program segments from CUDA graphs (else
+        they run every kernel eagerly); no effect on CPU workers."""
         if workers < 1:
             raise RuntimeSetupError(f"need at least one worker, got {workers}")
         devices = devices or ["cpu"] * workers
@@ -102,7 +105,7 @@ class WorkerPool:
         try:
             for w in range(workers):
                 cfg = WorkerConfig(w, LOOPBACK, 0, threads, devices[w], transfer_timeout_s, parent_pid=os.getpid(),
-                                   shared_outputs=True, plane=plane.address)
+                                   shared_outputs=True, plane=plane.address, cuda_graphs=cuda_graphs)
                 mine, theirs = ctx.Pipe(duplex=True)
                 p = ctx.Process(target=worker_main, args=(cfg, None, theirs), daemon=True,
                                 name=f"tessera-worker-{w}")
@@ -117,7 +120,7 @@ class WorkerPool:
             raise
         pool = cls(plane.store, [f"{d}:{w}" if d == "cpu" else d for w, d in enumerate(devices)], procs, threads,
                    pipes, plane)
-        pool._spawn = (list(devices), transfer_timeout_s)
+        pool._spawn = (list(devices), transfer_timeout_s, cuda_graphs)
         try:
             pool.ping_alive(allow_lost)
         except BaseException:
@@ -332,9 +335,9 @@ class WorkerPool:
             raise RuntimeSetupError("only workers this pool started on this host can be started again")
         if w not in self.lost:
             raise RuntimeSetupError(f"worker {self.devices[w]} is not lost; only a lost worker is started again")
-        devices, transfer_timeout_s = self._spawn
+        devices, transfer_timeout_s, cuda_graphs = self._spawn
         cfg = WorkerConfig(w, LOOPBACK, 0, self.threads, devices[w], transfer_timeout_s, parent_pid=os.getpid(),
-                           shared_outputs=True, plane=self.plane.address)
+                           shared_outputs=True, plane=self.plane.address, cuda_graphs=cuda_graphs)
         mine, theirs = mp.get_context("spawn").Pipe(duplex=True)
         p = mp.get_context("spawn").Process(target=worker_main, args=(cfg, None, theirs), daemon=True,
                                             name=f"tessera-worker-{w}")

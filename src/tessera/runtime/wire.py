@@ -59,11 +59,15 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def gather(storages: dict[str, torch.UntypedStorage], pieces: tuple[Piece, ...]) -> torch.Tensor:
+    """The bytes of ``pieces`` as one new flat tensor on their storages' device."""
+    parts = [_bytes_view(storages[p.buffer])[lo:hi] for p in pieces for lo, hi in p.spans]
+    return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+
+
 def pack(storages: dict[str, torch.UntypedStorage], pieces: tuple[Piece, ...]) -> torch.Tensor:
     """The bytes of ``pieces`` as one flat host tensor."""
-    parts = [_bytes_view(storages[p.buffer])[lo:hi] for p in pieces for lo, hi in p.spans]
-    flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-    return flat.cpu()
+    return gather(storages, pieces).cpu()
 
 
 def unpack(storages: dict[str, torch.UntypedStorage], pieces: tuple[Piece, ...], flat: torch.Tensor,

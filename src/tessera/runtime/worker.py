@@ -62,8 +62,11 @@ from tessera.runtime.commands import (
     step_tag,
 )
 from tessera.runtime.coordination import LOOPBACK, LocalPlane, gloo_device
+from tessera.runtime.cuda_graphs import GraphStats, SegmentGraph, graph_stats
+from tessera.runtime.device_ops import device_ops
 from tessera.runtime.probe import message_burst, ping_pong, time_program, zero_state
-from tessera.runtime.wire import decode, encode, pack, unpack
+from tessera.runtime.segments import graph_segments
+from tessera.runtime.wire import decode, encode, unpack
 
 HEARTBEAT_S = 0.2
 
@@ -90,6 +93,7 @@ class WorkerConfig:
     shared_outputs: bool = False  # step outputs through a shared-memory arena (driver on the same host)
     plane: str | None = None  # the driver's LocalPlane directory (when no store is handed to worker_main)
     bind: str = LOOPBACK  # the address this worker's gloo pairs listen on
+    cuda_graphs: bool = True  # on a CUDA device: replay each program segment from a CUDA graph (else eager)
 
 
 class OutputArena:
@@ -156,6 +160,8 @@ class Worker:
         self.arena = OutputArena() if cfg.shared_outputs else None
         self.turn = 0  # steps run so far (their outputs take turns through the arena's regions)
         self.sending: list[tuple[Any, torch.Tensor]] = []  # state moves' sends still on their way (work, bytes)
+        self.ops = device_ops(self.device)  # transfers and kernel timing for this device type
+        self.graphs: dict[str, PhaseGraphs] = {}  # CUDA workers with graphs: each phase's segment graphs
 
     # ------------------------------------------------------------------------------------------------
     def handle(self, cmd: Command) -> Reply:
@@ -240,6 +246,12 @@ class Worker:
                 shapes.setdefault(s, (b.dtype, tuple(b.shape)))
         self.state = [{s: torch.zeros(shape, dtype=dtype_from_name(dt), device=self.device)
                        for s, (dt, shape) in shapes.items()} for _ in range(cmd.state_instances)]
+        self.graphs = {}
+        if self.device.type == "cuda" and self.cfg.cuda_graphs:
+            self.graphs = {name: self._capture(name) for name in self.phases}
+            for instance in self.state:  # warm-up and capture ran on dummy inputs
+                for t in instance.values():
+                    t.zero_()
         return Loaded(len(self.weights), sum(t.nbytes for t in self.weights.values()), len(shapes))
 
     def set_state(self, cmd: SetState) -> Done:
@@ -259,25 +271,34 @@ class Worker:
         """Explicit state moves: send or receive byte ranges of state buffers (per micro-batch). Sends are
         posted (their bytes packed now) and not waited for: the receiver may be in a step of its own."""
         works, moved = [], 0
+        ops = self.ops  # host staging as in steps (pinned buffers on a CUDA device)
+        ops.begin_step()
         for mv in cmd.moves:
             storages = {mv.buffer: self.state[mv.microbatch][mv.buffer].untyped_storage()}
             pieces = (Piece(mv.buffer, tuple(mv.spans)),)
             moved += pieces[0].nbytes
             if mv.send:
-                flat = pack(storages, pieces)
+                out = ops.stage(storages, pieces)
+                out.wait()
+                # the send outlives this command: a staging buffer of its own (a CUDA device reuses its pinned
+                # ones once the step's copies are done; the host packs a new tensor anyway)
+                flat = out.flat.clone() if self.device.type == "cuda" else out.flat
                 self.sending.append((self.pg.send([flat], mv.peer, mv.tag), flat))
             else:
-                flat = torch.empty(pieces[0].nbytes, dtype=torch.uint8)
+                flat = ops.recv_buffer(pieces[0].nbytes)
                 works.append((self.pg.recv([flat], mv.peer, mv.tag), (storages, pieces, flat)))
         for work, (storages, pieces, flat) in works:
             work.wait(self.timeout)
-            unpack(storages, pieces, flat, self.device)
+            ops.unpack(storages, pieces, flat)
+        ops.end_step()
         return Moved(moved, cmd.step)
 
     def step(self, cmd: Step) -> StepResult:
         """Run the phase's program, micro-batch m on state instance ``state_instances[m]``; the step outputs
         this device holds."""
         graph, program, transfers, ex, opcodes, _ = self.phases[cmd.phase]
+        if cmd.phase in self.graphs and not cmd.trace:  # a traced step times kernel by kernel: eager
+            opcodes = self.graphs[cmd.phase].opcodes
         t0 = time.perf_counter()
         ex.prepare_microbatches(cmd.inputs, [self.state[i] for i in cmd.state_instances], program.inputs,
                                 program.state)
@@ -292,6 +313,8 @@ class Worker:
         """Run only one micro-batch of the phase's program (the driver streams micro-batches through the
         pipeline step after step); its outputs held here."""
         graph, program, transfers, ex, _, by_microbatch = self.phases[cmd.phase]
+        if cmd.phase in self.graphs and not cmd.trace:
+            by_microbatch = self.graphs[cmd.phase].by_microbatch
         m = cmd.microbatch
         t0 = time.perf_counter()
         ex.prepare_microbatch(m, cmd.inputs, self.state[cmd.state_instance], program.inputs, program.state)
@@ -305,16 +328,21 @@ class Worker:
                  trace: bool, base: int = 0) -> tuple[float, list[tuple]]:
         """Post the receives, then run the opcodes; sends go out asynchronously and are waited for at the end.
         Messages are tagged ``base`` + their transfer's tag (the step's tags). Returns the seconds spent in
-        kernels and (traced) the timeline."""
+        kernels and (traced) the timeline. Host staging and kernel timing are the device type's
+        (`tessera.runtime.device_ops`): on a CUDA device a send is posted once its bytes have reached pinned
+        host memory, and every copy still in flight is posted before waiting for a receive."""
+        ops = self.ops
+        ops.begin_step()
         posted = {}
         for i in receives:
             t = transfers[i]
-            flat = torch.empty(t.nbytes, dtype=torch.uint8)
+            flat = ops.recv_buffer(t.nbytes)
             posted[i] = (self.pg.recv([flat], t.src, base + t.tag), flat)
-        sends, timeline = [], []
+        sends, staged, timeline = [], [], []
         compute = 0.0
         torch.set_grad_enabled(False)  # a worker never needs autograd
         sync = self.device.type == "cuda" and trace
+        timer = None if trace else ops.busy_timer()  # None: the host clock around each kernel
         clock = time.perf_counter
         current = -1
         for code, arg, m in opcodes:
@@ -323,24 +351,89 @@ class Worker:
                 current = m
             start = clock()
             if code == _RUN:
+                if timer is not None:
+                    timer.enter()
                 ex.run_kernel(arg)
                 if sync:
                     torch.cuda.synchronize(self.device)
                 compute += clock() - start
+            elif code == _GRAPH:
+                timer.enter()
+                arg.run(ex)
             elif code == _FREE:
                 ex.free(arg)
             elif code == _SEND:
+                if timer is not None:
+                    timer.leave()
                 t = transfers[arg]
-                sends.append(self.pg.send([pack(ex.storages, t.pieces)], t.dst, base + t.tag))
+                out = ops.stage(ex.storages, t.pieces)
+                if out.ready():
+                    sends.append(self.pg.send([out.flat], t.dst, base + t.tag))
+                else:
+                    staged.append((out, t))
             else:
+                if timer is not None:
+                    timer.leave()
+                self._post(staged, sends, True, base)  # the peer may wait for them before it sends this
                 work, flat = posted.pop(arg)
                 work.wait(self.timeout)
-                unpack(ex.storages, transfers[arg].pieces, flat, self.device, graph)
+                ops.unpack(ex.storages, transfers[arg].pieces, flat, graph)
+            if staged:
+                self._post(staged, sends, False, base)
             if trace:
                 timeline.append((_KINDS[code], arg, m, start - t0, clock() - t0))
+        self._post(staged, sends, True, base)
         for work in sends:
             work.wait(self.timeout)
+        ops.end_step()
+        if timer is not None:
+            compute = timer.seconds()
         return compute, timeline
+
+    def _post(self, staged: list, sends: list, wait: bool, base: int = 0) -> None:
+        """Post the staged sends whose bytes are in host memory (``wait``: all of them, waiting for each),
+        tagged ``base`` + their transfer's tag."""
+        while staged and (wait or staged[0][0].ready()):
+            out, t = staged.pop(0)
+            out.wait()
+            sends.append(self.pg.send([out.flat], t.dst, base + t.tag))
+
+    def _capture(self, name: str) -> PhaseGraphs:
+        """Phase ``name``'s program cut into segments, each captured into a CUDA graph per micro-batch (on
+        state instance m) after warm-up on dummy inputs; the state is zeroed by the caller afterwards."""
+        graph, program, transfers, ex, opcodes, _ = self.phases[name]
+        plan = graph_segments(graph, program)
+        pools: dict[tuple, Any] = {}
+        segments = [SegmentGraph(graph, program, s, pools) for s in plan.segments]
+        phase = PhaseGraphs(_graph_opcodes(opcodes, segments), [], segments, plan.eager)
+        phase.by_microbatch = [[op for op in phase.opcodes if op[2] == m] for m in range(program.micro_batches)]
+        torch.set_grad_enabled(False)
+        try:
+            for m in range(min(program.micro_batches, len(self.state))):
+                dummy = {n: torch.zeros(graph.buffers[n].shape, dtype=dtype_from_name(graph.buffers[n].dtype))
+                         for n in program.inputs}
+                ex.prepare_microbatch(m, dummy, self.state[m], program.inputs, program.state)
+                for code, arg, _ in phase.by_microbatch[m]:
+                    if code == _GRAPH:
+                        captured = arg.capture(ex)
+                        if captured is not None:
+                            arg.replay(ex, captured)
+                        else:
+                            arg.eager(ex)
+                    elif code == _RUN:
+                        ex.run_kernel(arg)
+                    elif code == _FREE:
+                        ex.free(arg)
+                    elif code == _RECV:  # the bytes a step receives here: zeros
+                        pieces = transfers[arg].pieces
+                        unpack(ex.storages, pieces, torch.zeros(sum(p.nbytes for p in pieces), dtype=torch.uint8),
+                               self.device, graph)
+                ex.release(m)
+            torch.cuda.synchronize(self.device)
+        except Exception as e:  # noqa: BLE001 - the phase then captures lazily, in its first steps
+            phase.load_error = f"{type(e).__name__}: {e}"
+            ex.release()
+        return phase
 
     def _outputs(self, graph, program, ex, m: int, turn: int = 0) -> dict[str, Any]:
         ex.select(m)
@@ -388,8 +481,39 @@ HANDLERS: dict[type[Command], Callable[[Worker, Any], Reply]] = {
 }
 
 
-_RUN, _FREE, _SEND, _RECV = range(4)
-_KINDS = ("run", "free", "send", "recv")
+_RUN, _FREE, _SEND, _RECV, _GRAPH = range(5)
+_KINDS = ("run", "free", "send", "recv", "graph")
+
+
+@dataclass
+class PhaseGraphs:
+    """A phase's opcodes on a CUDA device with graphs: each capturable segment one ``graph`` opcode (its
+    :class:`SegmentGraph`), the kernels no graph can hold (``eager``: kernel -> why) left as they were."""
+
+    opcodes: list[tuple[int, Any, int]]
+    by_microbatch: list[list[tuple[int, Any, int]]]
+    segments: list[SegmentGraph]
+    eager: dict[int, str]
+    load_error: str | None = None  # why capture at load failed (the segments then capture in the first steps)
+
+    def stats(self) -> GraphStats:
+        """Captured graphs, replays, eager runs and the reasons of what is eager."""
+        return graph_stats(self.segments, self.eager)
+
+
+def _graph_opcodes(opcodes: list[tuple[int, Any, int]], segments: list[SegmentGraph]) -> list[tuple[int, Any, int]]:
+    """``opcodes`` (one per program instruction) with each segment's instructions replaced by one graph opcode."""
+    at = {s.segment.start: s for s in segments}
+    out, i = [], 0
+    while i < len(opcodes):
+        seg = at.get(i)
+        if seg is None:
+            out.append(opcodes[i])
+            i += 1
+        else:
+            out.append((_GRAPH, seg, seg.segment.microbatch))
+            i = seg.segment.stop
+    return out
 
 
 def _opcodes(program: Program) -> list[tuple[int, Any, int]]:

@@ -27,6 +27,7 @@ from tessera.hardware.cluster import Link
 from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DeploymentPlan, EngineAdmission, StateMove, StepPlan
 from tessera.plan.deployment import lanes as plan_lanes
+from tessera.plan.engines import EnginePart, engine_parts
 from tessera.plan.targets import Target, cluster_targets
 from tessera.sched.scheduler import (
     DEFAULT_MAX_CONTEXT,
@@ -136,46 +137,27 @@ def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throug
         raise SimulationSetupError(f"{plan.policy} does not apply to {plan.model}: {plan.reason}")
     if not plan.feasible:
         raise SimulationSetupError(f"the {plan.policy} plan is not feasible: {plan.reason}")
-    parts: list[tuple[str, int, list[Target], list[StepPlan], float, EngineAdmission | None, list[StateMove],
-                      bool]] = []
-    summaries = plan.extra.get("replicas")
-    routes = plan.extra.get("routes")
-    if summaries:  # request-dist: each device type's own replicas
-        for part in summaries:
-            steps = [s for s in plan.steps if s.objective == objective and s.solver.get("replica_of") == part["device"]]
-            targets = _match_targets(ctx, part["targets"], part["replicas"], [part["device"]])
-            admission = EngineAdmission(**part["admission"]) if part.get("admission") else None
-            parts.append((part["device"], part["replicas"], targets, steps, part["throughput"] / part["replicas"],
-                          admission, plan.state_moves, False))
-    elif routes and any(r.get("engine", k) != k for k, r in enumerate(routes)):  # routes that are one engine
-        return [_one_engine(ctx, plan, objective, routes, max_context, feedback_s, min_prompt, link, engine_shapes)]
-    elif routes:  # a route mix: engines of their own placements sharing the cluster's devices
-        for k, route in enumerate(routes):
-            steps = [s for s in plan.steps if s.objective == objective and s.solver.get("route_of") == k]
-            targets = _match_targets(ctx, route["targets"], 1, None)
-            name = route["policy"] + (f" ({route['device']})" if route.get("device") else "")
-            admission = EngineAdmission(**route["admission"]) if route.get("admission") else None
-            parts.append((name, 1, targets, steps, route["throughput"], admission,
-                          [StateMove(**m) for m in route["state_moves"]], True))
-    else:
-        steps = [s for s in plan.steps if s.objective == objective]
-        types = [plan.device] if plan.device else None
-        targets = _match_targets(ctx, plan.targets, plan.replicas, types)
-        parts.append((plan.policy, plan.replicas, targets, steps, plan.throughput / max(plan.replicas, 1),
-                      plan.admission, plan.state_moves, False))
+    parts = engine_parts(plan, objective)
+    if any(p.one_engine for p in parts):  # routes that are one engine
+        return [_one_engine(ctx, plan, objective, parts, max_context, feedback_s, min_prompt, link, engine_shapes)]
+    shared = any(p.kind == "route" for p in parts)  # a route mix: engines of their own placements sharing devices
     min_prompt = _min_prompt(ctx, min_prompt)
     engines = []
-    for name, count, targets, steps, speed, admission, moves, shared in parts:
-        if not steps:
+    for part in parts:
+        name = part.device if part.kind == "replica" else part.name if part.kind == "route" else plan.policy
+        types = None if part.kind == "route" or part.device is None else [part.device]
+        targets = _match_targets(ctx, part.targets, part.replicas, types)
+        if not part.steps:
             raise SimulationSetupError(f"the {plan.policy} plan has no {objective} step plans")
-        timer = _timer(ctx, steps, targets, feedback_s, link)
-        main = max(steps, key=lambda s: s.repeats)
-        slots, kv = _admission(plan, name, admission, ctx.spec.family, main.batch)
-        for r in range(count):
-            engines.append(Engine(f"{name}#{r}" if count > 1 else name,
+        timer = _timer(ctx, part.steps, targets, feedback_s, link)
+        main = max(part.steps, key=lambda s: s.repeats)
+        slots, kv = _admission(plan, name, part.admission, ctx.spec.family, main.batch)
+        for r in range(part.replicas):
+            engines.append(Engine(f"{name}#{r}" if part.replicas > 1 else name,
                                   _scheduler(ctx, slots, kv, max_context, min_prompt, engine_shapes), timer,
-                                  _lanes(steps, targets if shared else None), speed, _delays(moves, steps),
-                                  engine_shapes=engine_shapes, min_prompt=min_prompt))
+                                  _lanes(part.steps, targets if shared else None), part.throughput / part.replicas,
+                                  _delays(part.state_moves, part.steps), engine_shapes=engine_shapes,
+                                  min_prompt=min_prompt))
     return engines
 
 
@@ -201,7 +183,7 @@ def _scheduler(ctx: PlanContext, slots: int, kv: KVBudget | None, max_context: i
     return Scheduler(stages_for(family, denoise), slots, buckets, context, kv=kv)
 
 
-def _one_engine(ctx: PlanContext, plan: DeploymentPlan, objective: str, routes: list[dict[str, Any]],
+def _one_engine(ctx: PlanContext, plan: DeploymentPlan, objective: str, routes: list[EnginePart],
                 max_context: int | None, feedback_s: float, min_prompt: int, link: Link | None,
                 engine_shapes: bool) -> Engine:
     """Routes that are one engine (`tessera.plan.mixes.one_engine`): one scheduler (the tighter of the
@@ -216,13 +198,13 @@ def _one_engine(ctx: PlanContext, plan: DeploymentPlan, objective: str, routes: 
     batched = next(st.phase for st in stages_for(ctx.spec.family) if st.batched)
     admissions = []
     for k, route in enumerate(routes):
-        steps = [s for s in plan.steps if s.objective == objective and s.solver.get("route_of") == k]
+        steps = route.steps
         if not steps:
             raise SimulationSetupError(f"the {plan.policy} plan has no {objective} step plans for route {k}")
-        targets = _match_targets(ctx, route["targets"], 1, None)
+        targets = _match_targets(ctx, route.targets, 1, None)
         timer = _timer(ctx, steps, targets, feedback_s, link)
-        delays = _delays([StateMove(**m) for m in route["state_moves"]], steps)
-        admissions.append(EngineAdmission(**route["admission"]) if route.get("admission") else None)
+        delays = _delays(route.state_moves, steps)
+        admissions.append(route.admission)
         for lane in plan_lanes(steps):
             used = frozenset(plan.targets.index(targets[t].name) for s in lane for t in s.used_targets)
             phases = {s.phase for s in lane}
@@ -231,7 +213,7 @@ def _one_engine(ctx: PlanContext, plan: DeploymentPlan, objective: str, routes: 
                 lanes[used] = Lane(phases | (known.phases if known else set()), timer=timer, delays=delays)
             else:
                 known.phases |= phases
-            shares[used] = shares.get(used, 0.0) + float(route["rate"]) * sum(
+            shares[used] = shares.get(used, 0.0) + float(route.rate or 0.0) * sum(
                 s.per_request * s.cycle_s for s in lane if s.phase != batched)
     if any(a & b for a, b in itertools.combinations(lanes, 2)):
         raise SimulationSetupError(f"the {plan.policy} plan's routes share devices in different ways; one engine "

@@ -13,6 +13,8 @@ from dataclasses import replace
 from tessera.cost.engine_steps import EngineStepTimes
 from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DECODE, DeploymentPlan, PlannedEngine, StepPlan
+from tessera.plan.engines import engine_parts
+from tessera.plan.shares import ShareSwitch
 from tessera.plan.targets import Target, cluster_targets
 from tessera.sim.step_timer import StepTimer
 from tessera.sim.vllm_engines import EngineSim, SimRoute, VLLMSimResult, VLLMSimulationError, simulate_vllm
@@ -64,21 +66,25 @@ def vllm_engines(ctx: PlanContext, plan: DeploymentPlan, measured: EngineStepTim
 
 
 def simulate_on_vllm(ctx: PlanContext, plan: DeploymentPlan, seed: int = 0, progress=None,
-                     predicted: dict[tuple[str, int], EngineStepTimes] | None = None) -> VLLMSimResult:
-    """``ctx``'s workload served by ``plan``'s engines on vLLM, every step predicted (`vllm_engines`)."""
+                     predicted: dict[tuple[str, int], EngineStepTimes] | None = None,
+                     shares: str = "auto") -> VLLMSimResult:
+    """``ctx``'s workload served by ``plan``'s engines on vLLM, every step predicted (`vllm_engines`), the
+    router choosing route shares as ``shares`` says (`tessera.plan.shares`)."""
     engines, routes = vllm_engines(ctx, plan, progress=progress, predicted=predicted)
-    return simulate_vllm(engines, routes, draw_requests(ctx.workload, seed))
+    return simulate_vllm(engines, routes, draw_requests(ctx.workload, seed), share_switch(plan, shares))
+
+
+def share_switch(plan: DeploymentPlan, shares: str) -> ShareSwitch:
+    """The router's share switch over ``plan``'s routes (``shares``: auto, throughput or latency)."""
+    layout = plan.layout
+    return ShareSwitch(list(layout.routes), {e.name: e for e in layout.engines}, shares)
 
 
 def _handoff_s(plan: DeploymentPlan, engine: PlannedEngine) -> float:
     """The KV handoff into a decode engine per request: the plan's state moves at its mean prompt."""
     if DECODE not in engine.roles:
         return 0.0
-    moves = plan.state_moves
-    if not moves:
-        for route in plan.extra.get("routes") or []:
-            if route.get("state_moves"):
-                return sum(float(m["seconds_per_request"]) for m in route["state_moves"])
+    moves = next((p.state_moves for p in engine_parts(plan) if p.state_moves), [])
     return sum(m.seconds_per_request for m in moves)
 
 

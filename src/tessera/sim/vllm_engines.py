@@ -10,8 +10,9 @@ each later step adds a token per decoding request. The step's time comes from th
 (:class:`~tessera.cost.engine_steps.EngineStepTimes`): measured on a real engine, or predicted.
 
 Engines that share a device (two vLLM processes on one GPU) take turns, one step at a time, the one
-that waited longest first. Requests follow the plan's routes by their shares (smooth weighted round robin, as Tessera's router sends
-them). A route of two hops prefills on its first engine (one output token, discarded) and hands the KV to
+that waited longest first. Each request takes a route when it arrives, by the same rules as Tessera's router
+(`tessera.plan.shares`): the plan's shares by smooth weighted round robin, or the shares the router's share
+switch chooses from the requests in flight. A route of two hops prefills on its first engine (one output token, discarded) and hands the KV to
 its second, where the request waits for the handoff, then computes its last prompt token and decodes. Each
 engine call adds the engine's request overhead to the time to first token.
 """
@@ -25,6 +26,7 @@ import numpy as np
 
 from tessera.cost.engine_steps import EngineStepTimes
 from tessera.errors import TesseraError
+from tessera.plan.shares import ShareSwitch, SmoothRoundRobin, key
 
 
 class VLLMSimulationError(TesseraError):
@@ -225,23 +227,21 @@ class VLLMSimResult:
         return r.first_s - r.arrival_s + self._overhead(r)
 
 
-def simulate_vllm(engines: list[EngineSim], routes: list[SimRoute],
-                  draws: list[tuple[float, int, int]]) -> VLLMSimResult:
-    """Serve ``draws`` (arrival seconds, prompt tokens, output tokens) on ``engines`` along ``routes``."""
+def simulate_vllm(engines: list[EngineSim], routes: list[SimRoute], draws: list[tuple[float, int, int]],
+                  switch: ShareSwitch | None = None) -> VLLMSimResult:
+    """Serve ``draws`` (arrival seconds, prompt tokens, output tokens) on ``engines`` along ``routes``: each
+    request takes a route when it arrives, by the routes' shares, or by the shares ``switch`` (over the same
+    routes, in the same order) chooses from the requests then in flight, as the router does."""
     if not routes:
         raise VLLMSimulationError("the deployment has no routes to send requests along")
-    total = sum(r.share for r in routes)
-    if total <= 0:
+    if sum(r.share for r in routes) <= 0:
         raise VLLMSimulationError("the routes' shares add up to zero")
-    credit = [0.0] * len(routes)
-    requests = []
-    for i, (t, a, b) in enumerate(sorted(draws)):
-        for k, r in enumerate(routes):
-            credit[k] += r.share / total
-        k = max(range(len(routes)), key=lambda j: credit[j])
-        credit[k] -= 1.0
-        requests.append(SimRequest(i, float(t), max(int(a), 1), max(int(b), 1), routes[k].hops))
-    _check_fits(engines, requests)
+    if switch is not None and len(switch.routes) != len(routes):
+        raise VLLMSimulationError(f"the share switch has {len(switch.routes)} routes, the deployment {len(routes)}")
+    requests = [SimRequest(i, float(t), max(int(a), 1), max(int(b), 1)) for i, (t, a, b) in enumerate(sorted(draws))]
+    _check_fits(engines, requests, sorted({h for r in routes for h in r.hops}))
+    robin = SmoothRoundRobin()
+    in_flight = 0
     pending = deque(requests)
     now = 0.0
     while True:
@@ -249,8 +249,11 @@ def simulate_vllm(engines: list[EngineSim], routes: list[SimRoute],
             if e.step is not None and e.busy_until <= now:
                 for req in e.finish(now):
                     _leave(engines, req, now)
+                    in_flight -= req.finish_s is not None
         while pending and pending[0].arrival_s <= now:
             req = pending.popleft()
+            req.hops = routes[_pick(routes, robin, switch, req.arrival_s, in_flight)].hops
+            in_flight += 1
             engines[req.hops[0]].waiting.append(req)
         for e in sorted(engines, key=lambda x: x.busy_until):  # on a shared device, who waited longest goes first
             if e.step is None and not any(o.step is not None and o.devices & e.devices for o in engines):
@@ -289,12 +292,25 @@ def _leave(engines: list[EngineSim], req: SimRequest, now: float) -> None:
     nxt.waiting.append(req)
 
 
-def _check_fits(engines: list[EngineSim], requests: list[SimRequest]) -> None:
-    for e_index, e in enumerate(engines):
+def _pick(routes: list[SimRoute], robin: SmoothRoundRobin, switch: ShareSwitch | None, now: float,
+          in_flight: int) -> int:
+    """The route (index) of a request arriving at ``now`` with ``in_flight`` requests unfinished."""
+    if switch is None:
+        return robin.pick({k: r.share for k, r in enumerate(routes) if r.share > 0})
+    if switch.observe(now, in_flight) is not None:
+        robin.reset()
+    shares = switch.shares()
+    return robin.pick({k: v for k, r in enumerate(switch.routes) if (v := shares[key(r)]) > 0})
+
+
+def _check_fits(engines: list[EngineSim], requests: list[SimRequest], visited: list[int]) -> None:
+    """Every request fits the KV cache of every engine a route may send it to."""
+    for e_index in visited:
+        e = engines[e_index]
         if e.kv_blocks is None:
             continue
         for r in requests:
-            if e_index in r.hops and -(-(r.prompt + r.output) // e.block_size) > e.kv_blocks:
+            if -(-(r.prompt + r.output) // e.block_size) > e.kv_blocks:
                 raise VLLMSimulationError(f"request {r.id} ({r.prompt} prompt + {r.output} output tokens) needs "
                                           f"more KV blocks than engine {e.name} has ({e.kv_blocks} of "
                                           f"{e.block_size} tokens); give it more KV memory or shorter requests")
