@@ -405,7 +405,9 @@ class DistributedRunner:
         ``slots`` input is the local slot); rows are cut into the graph's batch, M chunks per step. Returns the
         outputs concatenated in row order. ``owners``: the requests whose state the step writes; once every
         one of them is forgotten (:meth:`forget`) the step is no longer replayed after a lost worker."""
-        return self.result(self.submit(phase, inputs, trace, owners))
+        out = self.result(self.submit(phase, inputs, trace, owners))
+        self._drain_moves()
+        return out
 
     def submit(self, phase: str, inputs: dict[str, torch.Tensor], trace: bool = False,
                owners: set[str] | None = None, push_to: tuple[str, ...] = ()) -> StepHandle:
@@ -431,7 +433,9 @@ class DistributedRunner:
     def step_chunks(self, phase: str, chunks: list[dict[str, torch.Tensor]], instances: list[int],
                     trace: bool = False, owners: set[str] | None = None) -> list[dict[str, torch.Tensor]]:
         """One step of ``phase``: micro-batch i runs ``chunks[i]`` on state instance ``instances[i]``."""
-        return self.result(self.submit_chunks(phase, chunks, instances, trace, owners))
+        out = self.result(self.submit_chunks(phase, chunks, instances, trace, owners))
+        self._drain_moves()
+        return out
 
     def submit_chunks(self, phase: str, chunks: list[dict[str, torch.Tensor]], instances: list[int],
                       trace: bool = False, owners: set[str] | None = None, push_to: tuple[str, ...] = ()
@@ -625,6 +629,14 @@ class DistributedRunner:
                 self.pool.lost.add(w)
                 raise WorkerLost(w, self.pool.devices[w], f"no reply within {self.step_timeout_s:.0f} s",
                                  now - part.submitted_s)
+
+    def _drain_moves(self) -> None:
+        """Read the replies of the state moves still out (a step run alone leaves the workers owing nothing)."""
+        while self._background:
+            try:
+                self._pump(self.step_timeout_s)
+            except WorkerLost as lost:
+                self._recover(lost)
 
     def settle(self) -> None:
         """Wait until the workers have answered every command out (the results of steps not collected yet
