@@ -69,10 +69,10 @@ class LaneRunner:
     """Starts the steps of an engine's lanes and hands each back to the engine when its backend says it is done.
 
     ``next_step(now, phases)``: the scheduler's next step among ``phases`` (None: nothing to run);
-    ``start(step) -> (handle, context)``: submit it to the backend (handle None: it failed at once, finished
-    at once); ``finish(step, handle, context)``: take its
-    result; ``wait(handles, timeout_s)``: the backend's handles that are done; ``lanes()``: the lanes under the
-    current objective; ``batched``: the phases of batched stages (a lane without one runs only prompt steps)."""
+    ``start(step) -> (handle, context)``: submit it to the backend (handle None: it failed at once and is
+    finished at once); ``finish(step, handle, context)``: take its result; ``wait(handles, timeout_s)``: the
+    backend's handles that are done; ``lanes()``: the lanes under the current objective; ``batched``: the
+    phases of batched stages (a lane without one runs only prompt steps)."""
 
     def __init__(self, lanes: Callable[[], list[Lane]], next_step: Callable[[float, set[str]], ScheduledStep | None],
                  start: Callable[[ScheduledStep], tuple[Any, Any]], finish: Callable[[ScheduledStep, Any, Any], None],
