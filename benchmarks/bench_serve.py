@@ -2,10 +2,12 @@
 cluster simulator's prediction for the same deployment and the same requests beside each measurement.
 
     .venv/bin/python benchmarks/bench_serve.py [--rates 0.25,0.5,1] [--requests 16] [--policy layer-pipeline]
+        [--latency-policy P]
 
 The server runs smollm2-135m (real weights) on cpu:2 (one thread per worker) under the policy's plan,
 planned with this host's measured kernel times; the latency objective's plans are the same policy's, the
-monitor may switch between them. Requests: Poisson arrivals, lengths drawn from a small shipped-style
+monitor may switch between them (``--latency-policy P``: the latency objective runs P's plan instead, e.g. the
+policy itself, so that the server runs the plan the simulator simulates). Requests: Poisson arrivals, lengths drawn from a small shipped-style
 distribution (prompts of 8-48 tokens, 8-24 output tokens; prompts are repeated words, so the server's
 greedy outputs may stop early at EOS: the figures count the tokens really generated). The simulator
 serves the same draws (same seed) with the same scheduler and buckets, timing each step by running the
@@ -52,6 +54,8 @@ def main() -> None:
     parser.add_argument("--policy", default="layer-pipeline")
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--latency-policy", default=None,
+                        help="the latency objective's policy (default: the policy's own latency-objective plans)")
     args = parser.parse_args()
     import torch
 
@@ -82,7 +86,8 @@ def main() -> None:
     pctx = runtime_context(MODEL, 2, PLAN_PROMPT, 64, max_context, args.slots, 1, profile, say)
     plan = plan_policy(pctx, args.policy, "throughput")
 
-    cfg = ServeConfig(MODEL, "cpu:2", slots=args.slots, max_context=max_context, policy=args.policy, threads=1)
+    cfg = ServeConfig(MODEL, "cpu:2", slots=args.slots, max_context=max_context, policy=args.policy, threads=1,
+                      latency_policy=args.latency_policy)
     engine, how = start_engine(cfg, say)
     say(f"serving {MODEL} on cpu:2: {how}")
     ports: list[int] = []
@@ -110,8 +115,9 @@ def main() -> None:
     def f(v, scale=1.0, digits=2):
         return "-" if v is None else f"{v * scale:.{digits}f}"
 
-    print(f"{MODEL} on cpu:2 ({args.policy}, {args.slots} slots, 1 thread per worker), {args.requests} requests "
-          f"per rate, seed {args.seed}; measured by tessera bench | predicted by tessera simulate")
+    latency = f", latency objective: {args.latency_policy}" if args.latency_policy else ""
+    print(f"{MODEL} on cpu:2 ({args.policy}{latency}, {args.slots} slots, 1 thread per worker), {args.requests} "
+          f"requests per rate, seed {args.seed}; measured by tessera bench | predicted by tessera simulate")
     print("| rate (req/s) | tokens/s | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) | completed |")
     print("|---|---|---|---|---|---|---|")
     for rate, m, p in rows:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from tessera.serve.backend import SyncSteps
 
-class RecordingBackend:
-    """Wraps a `tessera.serve.backend.StepBackend`; subclasses say what to keep in ``record``."""
+
+class RecordingBackend(SyncSteps):
+    """Wraps a `tessera.serve.backend.StepBackend`; subclasses say what to keep in ``record``. Steps run one at
+    a time, each to its end when submitted (``SyncSteps``), so every one of them is recorded."""
 
     def __init__(self, backend):
         self.backend = backend

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from tessera.serve.backend import BackendLost
+from tessera.serve.backend import BackendLost, SyncSteps
 from tessera.serve.lifecycle import SHUTDOWN_MESSAGE, Lifecycle
 
 MODEL = "smollm2-135m"
@@ -24,7 +24,7 @@ CONTEXT = 64
 ASK = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
 
 
-class _Faulty:
+class _Faulty(SyncSteps):
     """The real local backend, made to fail the next step of a phase (``fail``: "prefill" or "decode"), or
     every step as a lost backend (``lose``)."""
 

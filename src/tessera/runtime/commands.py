@@ -24,6 +24,11 @@ turns them into bytes for the pipes of local workers and the key-value store of 
 | :class:`Stop` | answers and exits | :class:`Done` |
 
 Any command can instead get :class:`Failure`: the error it raised, with the worker's traceback.
+
+**Steps in flight.** :class:`Step` and :class:`Move` carry the driver's id (``step``) and their replies
+(:class:`StepResult`, :class:`Moved`, :class:`Failure`) carry it back, so the driver matches replies to steps by
+id, not by their order; the tags of a step's messages between workers are :func:`step_tag` of that id, so two
+steps in flight never take each other's messages.
 """
 
 from __future__ import annotations
@@ -38,6 +43,20 @@ from tessera.graph.ir import KernelGraph
 from tessera.program.program import Program, Transfer
 
 Tensors = dict[str, torch.Tensor]
+
+TAG_SPAN = 2**20  # message tags of one step (a program's transfers, a move's pieces) lie below this
+TAG_STEPS = 2**11  # step ids wrap around after this many (gloo takes tags below 2**31)
+NO_STEP = -1  # a command sent outside the driver's steps in flight (streamed jobs, probes)
+ARENA_TURNS = 8  # a local worker's step outputs take turns through this many sets of shared-memory regions
+
+
+def step_tag(step: int, tag: int) -> int:
+    """The gloo tag of message ``tag`` of step ``step``: distinct for the steps in flight (fewer than
+    TAG_STEPS), so a step never receives another step's message."""
+    if not 0 <= tag < TAG_SPAN:
+        raise ProtocolError(f"message tag {tag} of step {step} is outside 0..{TAG_SPAN - 1}: a step of more than "
+                            f"{TAG_SPAN} messages")
+    return (max(step, 0) % TAG_STEPS) * TAG_SPAN + tag
 
 
 class ProtocolError(TesseraError):
@@ -141,20 +160,25 @@ class GetState(Command):
 
 @dataclass(frozen=True)
 class Move(Command):
-    """Send and receive the byte ranges of state buffers of ``moves``."""
+    """Send and receive the byte ranges of state buffers of ``moves`` (their tags already :func:`step_tag`s of
+    the move's id ``step``). Receives are waited for; sends are posted and go on while the worker takes its
+    next commands (the receiver may still be busy with a step of its own)."""
 
     moves: list[StateMove]
+    step: int = NO_STEP
 
 
 @dataclass(frozen=True)
 class Step(Command):
     """Run ``phase``'s program: micro-batch m on ``inputs[m]`` and state instance ``state_instances[m]``
-    (``trace``: with a timeline of every instruction)."""
+    (``trace``: with a timeline of every instruction); ``step``: the driver's id, which tags its messages
+    (:func:`step_tag`) and comes back with the reply."""
 
     phase: str
     inputs: list[Tensors]
     state_instances: list[int]
     trace: bool = False
+    step: int = NO_STEP
 
 
 @dataclass(frozen=True)
@@ -234,6 +258,7 @@ class Failure(Reply):
 
     error: str
     traceback: str = ""
+    step: int = NO_STEP  # the id of the step or move that failed (NO_STEP: another command)
 
 
 @dataclass(frozen=True)
@@ -270,17 +295,18 @@ class StateValues(Reply):
 
 @dataclass(frozen=True)
 class Moved(Reply):
-    """Bytes this worker sent or received."""
+    """Bytes this worker sent or received for move ``step``."""
 
     nbytes: int
+    step: int = NO_STEP
 
 
 @dataclass(frozen=True)
 class StepResult(Reply):
     """What a step or job produced on this worker: per micro-batch its outputs held here (tensors, or
     :class:`SharedTensor` for a local driver until the pool copies them out), wall and kernel seconds, the
-    timeline of a traced step relative to ``t0`` (the worker's ``time.perf_counter`` at the start) and the
-    job's ``key``."""
+    timeline of a traced step relative to ``t0`` (the worker's ``time.perf_counter`` at the start), the
+    job's ``key`` and the step's id ``step``."""
 
     outputs: list[dict[str, Any]]
     seconds: float
@@ -288,6 +314,7 @@ class StepResult(Reply):
     timeline: list[tuple]
     t0: float
     key: tuple[int, int] | None = None
+    step: int = NO_STEP
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,19 @@ state rows another worker wrote last (the KV cache after a prefill elsewhere), t
 explicit move of exactly those rows first. The driver keeps every step it ran, so after a lost worker
 it can re-plan onto the survivors, rebuild the state by replaying the same steps at the same shapes
 (deterministic), and go on.
+
+**Steps in flight.** :meth:`DistributedRunner.submit` sends a step's commands and returns a
+:class:`StepHandle` at once; :meth:`~DistributedRunner.result` collects it later (``step`` is the two
+together). Every command of a step carries its id, which tags its messages between workers and comes back
+with each reply, so replies are matched to steps by id, whatever order they arrive in. Each worker runs its
+commands in the order the driver submitted them: steps on disjoint workers run at the same time, steps
+sharing a worker take turns on it in submission order, and since every worker follows the one submission
+order no step waits on a step submitted after it (no deadlock). State moves are commands in that order
+too: a row another worker wrote is sent after that write and received before the step that reads it. A
+step may also push the rows it writes on to the workers that hold them for other phases
+(``push_to``: a prefill's KV to the decode worker): the send is queued right behind the step on its worker
+and the receive goes to the other worker once the step is back, so neither worker waits for the other's
+steps.
 """
 
 from __future__ import annotations
@@ -22,7 +35,21 @@ from tessera.errors import TesseraError
 from tessera.graph.ir import KernelGraph
 from tessera.kernels.sample import with_sampling_defaults
 from tessera.program.program import StepPrograms, build_programs
-from tessera.runtime.commands import Connect, GetState, Job, Load, Move, PhaseLoad, SetState, StateMove, Step
+from tessera.runtime.commands import (
+    ARENA_TURNS,
+    Connect,
+    Failure,
+    GetState,
+    Job,
+    Load,
+    Move,
+    PhaseLoad,
+    Reply,
+    SetState,
+    StateMove,
+    Step,
+    step_tag,
+)
 from tessera.runtime.pool import RuntimeSetupError, WorkerFailed, WorkerLost, WorkerPool
 
 # placements for n devices: phase -> kernel -> device index
@@ -72,6 +99,66 @@ class StepTiming:
     started_s: list[float] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class _Entry:
+    """One recorded call the state depends on (replayed after a lost worker): ``set_state`` (``values``) or a
+    step (``phase`` on ``chunks`` and ``instances``, pushing to ``push_to``; ``part``: its id)."""
+
+    kind: str
+    phase: str = ""
+    chunks: list = field(default_factory=list)
+    instances: list[int] = field(default_factory=list)
+    owners: set[str] | None = None
+    push_to: tuple[str, ...] = ()
+    part: int = -1
+    values: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Part:
+    """One step of M micro-batches in flight: the workers whose replies are still out, the replies in."""
+
+    id: int
+    phase: str
+    chunks: list
+    instances: list[int]
+    trace: bool
+    push_to: tuple[str, ...]
+    submitted_s: float
+    entry: _Entry | None = None
+    waiting: set[int] = field(default_factory=set)
+    replies: dict[int, Reply] = field(default_factory=dict)
+    outputs: list[dict[str, torch.Tensor]] | None = None  # given by a replay (after a lost worker)
+    done_s: float = 0.0  # when its last reply was read (time.monotonic, as submitted_s)
+
+
+@dataclass(eq=False)
+class _Push:
+    """State rows a step pushed on (sent, queued behind the step on ``src``) and not yet received on ``dst``."""
+
+    part: int
+    name: str
+    instance: int
+    src: int  # ranks
+    dst: int
+    rows: frozenset[int]
+    spans: list[tuple[int, int]]
+    tag: int
+
+
+@dataclass(eq=False)
+class StepHandle:
+    """A step submitted to the workers (:meth:`DistributedRunner.submit`); its outputs come from
+    :meth:`DistributedRunner.result`. ``timings``: how each of its steps ran on the workers, once it is back."""
+
+    id: int
+    phase: str
+    parts: list[int]
+    workers: frozenset[str]  # the devices it runs on
+    whole: bool = True  # result() concatenates the rows (submit) or returns the chunks' outputs (submit_chunks)
+    timings: list[StepTiming] = field(default_factory=list)
+
+
 class DistributedRunner:
     """Step graphs (one per phase) run by a WorkerPool under per-phase placements and micro-batch counts."""
 
@@ -105,6 +192,13 @@ class DistributedRunner:
         self.last_moves: list[tuple[str, int, int, int, tuple[int, ...]]] = []
         self.made: dict[str, TransfersMade] = {}  # per phase: the transfers its steps made so far
         self._row_counts: dict[str, int] = {}
+        self._next_id = 0  # ids of steps and moves (they tag their messages)
+        self._parts: dict[int, _Part] = {}  # steps submitted and not yet collected
+        self._background: dict[int, set[int]] = {}  # state moves submitted: id -> workers whose reply is out
+        self._transit: list[_Push] = []  # rows pushed on and not yet received
+        self._unread: dict[int, int] = {}  # per worker: steps whose reply the driver has not read yet
+        self._errors: list[WorkerFailed] = []  # state moves that failed, raised by the next result()
+        self._replaying = False
         self.started_on = list(range(len(self.pool.devices)))  # every worker it was given (restore() brings lost ones back)
         self._start(placements)
 
@@ -182,7 +276,8 @@ class DistributedRunner:
     # ------------------------------------------------------------------------------------------------
     def set_state(self, values: list[dict[str, torch.Tensor]]) -> None:
         """Give state instance i the tensors ``values[i]`` (on every worker holding them)."""
-        self._record(("set_state", values))
+        self._settle()
+        self._record(_Entry("set_state", values=values))
         self._run_guarded(lambda: self._set_state(values))
 
     def _set_state(self, values: list[dict[str, torch.Tensor]]) -> None:
@@ -193,6 +288,7 @@ class DistributedRunner:
 
     def get_state(self) -> list[dict[str, torch.Tensor]]:
         """Every state instance as the deployment holds it now (rows from the worker that wrote them last)."""
+        self._settle()
         replies = self.pool.call({w: GetState() for w in self.members}, self.step_timeout_s)
         by_rank = [replies[w].state for w in self.members]
         out: list[dict[str, torch.Tensor]] = []
@@ -212,33 +308,88 @@ class DistributedRunner:
 
     def _moves_for(self, phase: str, chunks: list[dict[str, torch.Tensor]], instances: list[int]) -> None:
         """Move the state rows the step reads (its chunks' slots; every row where the state is not slot-major)
-        from the worker that wrote them last (explicit, exact rows); other rows stay where they are."""
+        from the worker that wrote them last (explicit, exact rows; submitted, so they run in order before the
+        step); other rows stay where they are. Rows pushed on to this step's worker are received first."""
         holder = self.holder[phase]
         graph = self.graphs[phase]
+        reads: dict[tuple[str, int], set[int]] = {}
+        for name in holder:
+            n = self._rows(name)
+            for inst, rows in zip(instances, _touched_rows(graph, chunks, n), strict=True):
+                reads.setdefault((name, inst), set()).update(rows)
+        self._land([p for p in self._transit if p.rows & reads.get((p.name, p.instance), set())])
         moves: dict[int, list[StateMove]] = {}
         self.last_moves = []
-        tag = 0
+        mid, k, nbytes = self._new_id(), 0, 0
         for name, dst in sorted(holder.items()):
-            n = self._rows(name)
-            row_bytes = self._buffer(name).nbytes // n
-            read: dict[int, set[int]] = {}
-            for inst, rows in zip(instances, _touched_rows(graph, chunks, n), strict=True):
-                read.setdefault(inst, set()).update(rows)
-            for inst, wanted in read.items():
+            row_bytes = self._buffer(name).nbytes // self._rows(name)
+            for (bname, inst), wanted in sorted(reads.items()):
+                if bname != name:
+                    continue
                 owner = self._owner(name, inst)
                 for src in sorted({owner[r] for r in wanted if owner[r] >= 0 and owner[r] != dst}):
                     rows = sorted(r for r in wanted if owner[r] == src)
                     self.last_moves.append((name, inst, src, dst, tuple(rows)))
                     spans = _row_spans(rows, row_bytes)
+                    tag = step_tag(mid, k)
                     for me, peer, send in ((src, dst, True), (dst, src, False)):
                         moves.setdefault(self.members[me], []).append(StateMove(name, inst, spans, peer, tag, send))
-                    tag += 1
+                    k += 1
+                    nbytes += len(rows) * row_bytes
                     self.moves_made += 1
                     for r in rows:
                         owner[r] = dst
         if moves:
-            replies = self.pool.call({w: Move(mv) for w, mv in moves.items()}, self.step_timeout_s)
-            self.moved_bytes += sum(r.nbytes for r in replies.values()) // 2  # counted by sender and receiver
+            self.moved_bytes += nbytes
+            self._send_background(mid, {w: Move(mv, mid) for w, mv in moves.items()})
+
+    def _push(self, part: _Part, to: str) -> None:
+        """Send the state rows ``part`` writes on to the workers holding them for phase ``to`` (queued right
+        behind the step); they are received once the step is back (:meth:`_land`)."""
+        graph = self.graphs[part.phase]
+        mid, k = self._new_id(), 0
+        sends: dict[int, list[StateMove]] = {}
+        for name, src in sorted(self.holder[part.phase].items()):
+            dst = self.holder[to].get(name)
+            if dst is None or dst == src:
+                continue
+            n = self._rows(name)
+            row_bytes = self._buffer(name).nbytes // n
+            written: dict[int, set[int]] = {}
+            for inst, rows in zip(part.instances, _touched_rows(graph, part.chunks, n), strict=True):
+                written.setdefault(inst, set()).update(rows)
+            for inst, rows in sorted(written.items()):
+                if not rows:
+                    continue
+                spans = _row_spans(sorted(rows), row_bytes)
+                tag = step_tag(mid, k)
+                k += 1
+                sends.setdefault(self.members[src], []).append(StateMove(name, inst, spans, dst, tag, True))
+                self._transit.append(_Push(part.id, name, inst, src, dst, frozenset(rows), spans, tag))
+                owner = self._owner(name, inst)
+                for r in rows:
+                    owner[r] = dst
+                self.moves_made += 1
+                self.moved_bytes += len(rows) * row_bytes
+        if sends:
+            self._send_background(mid, {w: Move(mv, mid) for w, mv in sends.items()})
+
+    def _land(self, pushes: list[_Push]) -> None:
+        """Receive pushed rows on their destination workers (submitted: after what those workers run now)."""
+        if not pushes:
+            return
+        self._transit = [p for p in self._transit if p not in pushes]
+        mid = self._new_id()
+        recvs: dict[int, list[StateMove]] = {}
+        for p in pushes:
+            recvs.setdefault(self.members[p.dst], []).append(StateMove(p.name, p.instance, p.spans, p.src, p.tag,
+                                                                       False))
+        self._send_background(mid, {w: Move(mv, mid) for w, mv in recvs.items()})
+
+    def _send_background(self, mid: int, cmds: dict[int, Move]) -> None:
+        self._background[mid] = set(cmds)
+        for w, cmd in cmds.items():
+            self.pool.submit(w, cmd)
 
     # ------------------------------------------------------------------------------------------------
     def slots_per_instance(self) -> int:
@@ -254,6 +405,15 @@ class DistributedRunner:
         ``slots`` input is the local slot); rows are cut into the graph's batch, M chunks per step. Returns the
         outputs concatenated in row order. ``owners``: the requests whose state the step writes; once every
         one of them is forgotten (:meth:`forget`) the step is no longer replayed after a lost worker."""
+        out = self.result(self.submit(phase, inputs, trace, owners))
+        self._drain_moves()
+        return out
+
+    def submit(self, phase: str, inputs: dict[str, torch.Tensor], trace: bool = False,
+               owners: set[str] | None = None, push_to: tuple[str, ...] = ()) -> StepHandle:
+        """Send a step of ``phase`` on a batch of rows (as :meth:`step`) to the workers and return at once;
+        :meth:`result` gives its outputs. ``push_to``: phases whose workers get the state rows this step writes
+        as soon as it is done (instead of when a step of theirs first reads them)."""
         graph = self._graph(phase)
         chunks = _split_rows(graph, inputs)
         m = self.micro_batches[phase]
@@ -263,50 +423,243 @@ class DistributedRunner:
         if len(chunks) % m or max(instances) >= self.state_instances:
             raise RuntimeInputError(f"{phase}: {len(chunks) * b} rows do not fill steps of {m} micro-batches of {b} "
                                     f"over {self.state_instances} state instances of {per} slots")
-        outs: list[dict[str, torch.Tensor]] = []
-        for first in range(0, len(chunks), m):
-            outs += self.step_chunks(phase, chunks[first: first + m], instances[first: first + m], trace,
-                                     None if owners is None else set(owners))
-        if len(outs) == 1:
-            return outs[0]
-        return {name: torch.cat([o[name] for o in outs]) for name in outs[0]}
+        for to in push_to:
+            self._graph(to)
+        parts = [self._submit_part(phase, chunks[f: f + m], instances[f: f + m], trace,
+                                   None if owners is None else set(owners), tuple(push_to))
+                 for f in range(0, len(chunks), m)]
+        return StepHandle(parts[0], phase, parts, self._devices_of(phase))
 
     def step_chunks(self, phase: str, chunks: list[dict[str, torch.Tensor]], instances: list[int],
                     trace: bool = False, owners: set[str] | None = None) -> list[dict[str, torch.Tensor]]:
         """One step of ``phase``: micro-batch i runs ``chunks[i]`` on state instance ``instances[i]``."""
+        out = self.result(self.submit_chunks(phase, chunks, instances, trace, owners))
+        self._drain_moves()
+        return out
+
+    def submit_chunks(self, phase: str, chunks: list[dict[str, torch.Tensor]], instances: list[int],
+                      trace: bool = False, owners: set[str] | None = None, push_to: tuple[str, ...] = ()
+                      ) -> StepHandle:
+        """Send one step of ``phase`` (as :meth:`step_chunks`) and return at once; :meth:`result` gives the
+        outputs of each chunk."""
+        self._graph(phase)
         if len(chunks) != self.micro_batches[phase] or len(instances) != len(chunks):
             raise RuntimeInputError(f"{phase} runs {self.micro_batches[phase]} micro-batches per step, "
                                     f"got {len(chunks)} chunks for {len(instances)} state instances")
-        self._record(("step", phase, chunks, instances, owners))
-        return self._run_guarded(lambda: self._step(phase, chunks, instances, trace))
+        for to in push_to:
+            self._graph(to)
+        pid = self._submit_part(phase, list(chunks), list(instances), trace, owners, tuple(push_to))
+        return StepHandle(pid, phase, [pid], self._devices_of(phase), whole=False)
 
-    def _step(self, phase: str, chunks, instances: list[int], trace: bool) -> list[dict[str, torch.Tensor]]:
+    def _devices_of(self, phase: str) -> frozenset[str]:
         sp = self.programs[phase]
-        self._moves_for(phase, chunks, instances)
-        cmds = {}
+        return frozenset(self.pool.devices[w] for rank, w in enumerate(self.members) if sp.programs[rank].instructions)
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _submit_part(self, phase: str, chunks, instances: list[int], trace: bool, owners: set[str] | None,
+                     push_to: tuple[str, ...]) -> int:
+        part = _Part(self._new_id(), phase, chunks, instances, trace, push_to, time.monotonic())
+        part.entry = _Entry("step", phase, chunks, instances, owners, push_to, part.id)
+        self._record(part.entry)
+        self._parts[part.id] = part
+        try:
+            self._send_part(part)
+        except WorkerLost as lost:  # a worker died while idle: re-plan, and the replay runs this step too
+            self._recover(lost)
+        return part.id
+
+    def _send_part(self, part: _Part) -> None:
+        """Submit the state moves a step needs, its commands, and its pushes."""
+        sp = self.programs[part.phase]
+        self._moves_for(part.phase, part.chunks, part.instances)
         for rank, w in enumerate(self.members):
             prog = sp.programs[rank]
             if not prog.instructions:
                 continue
-            cmds[w] = Step(phase, [{n: c[n] for n in prog.inputs} for c in chunks], instances, trace)
-        t0 = time.perf_counter()
-        replies = self.pool.call(cmds, self.step_timeout_s)
-        seconds = time.perf_counter() - t0
-        outs: list[dict[str, torch.Tensor]] = [{} for _ in chunks]
-        for r in replies.values():
+            while self._unread.get(w, 0) >= ARENA_TURNS - 1:  # its outputs' region would be reused unread
+                self._pump(self.step_timeout_s)
+            self.pool.submit(w, Step(part.phase, [{n: c[n] for n in prog.inputs} for c in part.chunks],
+                                     part.instances, part.trace, part.id))
+            part.waiting.add(w)
+            self._unread[w] = self._unread.get(w, 0) + 1
+        self._mark_written(part.phase, part.chunks, part.instances)
+        for to in part.push_to:
+            self._push(part, to)
+
+    # ------------------------------------------------------------------------------------------------
+    def done(self, handle: StepHandle) -> bool:
+        """Whether every reply of ``handle`` is in (its result will not wait); reads the replies that arrived."""
+        if any(self._parts[p].waiting and self._parts[p].outputs is None for p in handle.parts):
+            self.wait([handle], 0.0)
+        return all(not self._parts[p].waiting or self._parts[p].outputs is not None for p in handle.parts)
+
+    def wait(self, handles: list[StepHandle], timeout_s: float | None = None) -> list[StepHandle]:
+        """The handles among ``handles`` whose replies are all in, waiting until at least one is (at most
+        ``timeout_s``, None: as long as a step may take); reads replies of any step as they arrive."""
+
+        def ready() -> list[StepHandle]:
+            return [h for h in handles
+                    if all(not self._parts[p].waiting or self._parts[p].outputs is not None for p in h.parts)]
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        looked = False
+        while True:
+            out = ready()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if out or (looked and left == 0.0):
+                return out
+            looked = True
+            try:
+                self._pump(self.step_timeout_s, left)
+            except WorkerLost as lost:
+                self._recover(lost)
+
+    def result(self, handle: StepHandle):
+        """The outputs of a submitted step (waiting for it): as :meth:`step` returns them for :meth:`submit`,
+        a list per chunk for :meth:`submit_chunks`. A step that failed raises its worker's error
+        (WorkerFailed, naming the step); a lost worker is re-planned as for :meth:`step`."""
+        outs: list[dict[str, torch.Tensor]] = []
+        for pid in handle.parts:
+            got, timing = self._collect(pid)
+            outs += got
+            if timing is not None:
+                handle.timings.append(timing)
+                self.last_timing = timing
+        if not handle.whole:
+            return outs
+        if len(outs) == 1:
+            return outs[0]
+        return {name: torch.cat([o[name] for o in outs]) for name in outs[0]}
+
+    def _collect(self, pid: int) -> tuple[list[dict[str, torch.Tensor]], StepTiming | None]:
+        part = self._parts.get(pid)
+        if part is None:
+            raise RuntimeInputError(f"step {pid} is not in flight (its result was taken already)")
+        while part.outputs is None:
+            if not part.waiting:
+                failed = [(w, r) for w, r in part.replies.items() if isinstance(r, Failure)]
+                if not failed:
+                    break
+                w, reply = failed[0]
+                error = WorkerFailed(self.pool.devices[w], f"{part.phase} step {pid} failed: {reply.error}",
+                                     reply.traceback)
+                lost = self._lost_behind(error)
+                if lost is None:
+                    del self._parts[pid]
+                    if part.entry in self.history:  # a step that failed is not replayed
+                        self.history.remove(part.entry)
+                    raise error
+                self._recover(lost)
+                continue
+            try:
+                self._pump(self.step_timeout_s)
+            except WorkerLost as lost:
+                self._recover(lost)
+        del self._parts[pid]
+        if self._errors:
+            error, self._errors = self._errors[0], []
+            raise error
+        if part.outputs is not None:  # replayed after a lost worker
+            return part.outputs, None
+        return self._assemble(part)
+
+    def _assemble(self, part: _Part) -> tuple[list[dict[str, torch.Tensor]], StepTiming]:
+        """The outputs of a step whose replies are all in, its timing, and the transfers it made."""
+        sp = self.programs[part.phase]
+        outs: list[dict[str, torch.Tensor]] = [{} for _ in part.chunks]
+        for r in part.replies.values():
             for i, o in enumerate(r.outputs):
                 outs[i].update(o)
-        self._mark_written(phase, chunks, instances)
-        made = self.made.setdefault(phase, TransfersMade())
+        made = self.made.setdefault(part.phase, TransfersMade())
         made.steps += 1
         made.messages += len(sp.transfers)
         made.nbytes += sp.cut_bytes
-        order = list(replies)
-        self.last_timing = StepTiming(phase, seconds, [replies[w].seconds for w in order],
-                                      [replies[w].compute_s for w in order],
-                                      [replies[w].timeline for w in order] if trace else [],
-                                      [self.pool.devices[w] for w in order], [replies[w].t0 for w in order])
-        return outs
+        order = sorted(part.replies)
+        replies = part.replies
+        timing = StepTiming(part.phase, max(0.0, part.done_s - part.submitted_s),
+                            [replies[w].seconds for w in order], [replies[w].compute_s for w in order],
+                            [replies[w].timeline for w in order] if part.trace else [],
+                            [self.pool.devices[w] for w in order], [replies[w].t0 for w in order])
+        return outs, timing
+
+    def _pump(self, timeout_s: float, poll_s: float | None = None) -> bool:
+        """Read one reply (waiting at most ``poll_s`` when given) and file it under its step; whether one came."""
+        workers = [w for w in range(len(self.pool.devices)) if self.pool.pending[w]]
+        if not workers:
+            if any(p.waiting and p.outputs is None for p in self._parts.values()) or self._background:
+                raise RuntimeSetupError("steps are waiting for replies no worker owes")
+            return False
+        got = self.pool.next_reply(workers, timeout_s, raise_failed=False, poll_s=poll_s)
+        if got is None:
+            self._check_overdue()
+            return False
+        w, reply = got
+        sid = getattr(reply, "step", -1)
+        part = self._parts.get(sid)
+        if part is not None and w in part.waiting:
+            part.waiting.discard(w)
+            part.replies[w] = reply
+            self._unread[w] -= 1
+            if not part.waiting:  # rows it pushed on can be received now, after what their worker runs
+                part.done_s = time.monotonic()
+                self._land([p for p in self._transit if p.part == sid])
+        elif sid in self._background:
+            self._background[sid].discard(w)
+            if not self._background[sid]:
+                del self._background[sid]
+            if isinstance(reply, Failure):
+                self._errors.append(WorkerFailed(self.pool.devices[w], f"state move {sid} failed: {reply.error}",
+                                                 reply.traceback))
+        elif isinstance(reply, Failure):
+            raise WorkerFailed(self.pool.devices[w], reply.error, reply.traceback)
+        else:
+            raise RuntimeSetupError(f"worker {self.pool.devices[w]} answered {type(reply).__name__} for step {sid}, "
+                                    "which is not in flight")
+        return True
+
+    def _check_overdue(self) -> None:
+        """A step in flight for longer than the step timeout: the first worker it waits for is lost."""
+        now = time.monotonic()
+        for part in self._parts.values():
+            if part.waiting and part.outputs is None and now - part.submitted_s > self.step_timeout_s:
+                w = min(part.waiting)
+                self.pool.lost.add(w)
+                raise WorkerLost(w, self.pool.devices[w], f"no reply within {self.step_timeout_s:.0f} s",
+                                 now - part.submitted_s)
+
+    def _drain_moves(self) -> None:
+        """Read the replies of the state moves still out (a step run alone leaves the workers owing nothing)."""
+        while self._background:
+            try:
+                self._pump(self.step_timeout_s)
+            except WorkerLost as lost:
+                self._recover(lost)
+
+    def settle(self) -> None:
+        """Wait until the workers have answered every command out (the results of steps not collected yet
+        stay to be collected): pushed rows are received, state moves done."""
+        self._settle()
+
+    def _settle(self) -> None:
+        """Receive every pushed row and read every reply still out (steps' results stay to be collected)."""
+        self._land(list(self._transit))
+        while any(p.waiting and p.outputs is None for p in self._parts.values()) or self._background:
+            try:
+                self._pump(self.step_timeout_s)
+            except WorkerLost as lost:
+                self._recover(lost)
+
+    def _forget_flight(self) -> None:
+        """After the workers were drained: no reply is owed any more; the steps not collected get their outputs
+        from the replay."""
+        self._background.clear()
+        self._transit.clear()
+        self._unread.clear()
+        for part in self._parts.values():
+            part.waiting.clear()
 
     def _graph(self, phase: str) -> KernelGraph:
         if phase not in self.graphs:
@@ -346,7 +699,9 @@ class DistributedRunner:
             raise RuntimeInputError("streamed steps cannot be replayed after a lost worker yet; use step() with "
                                     "on_failure='replan'")
         sp = self.programs[phase]
+        self._settle()  # streamed jobs take every reply of these workers: nothing else may be out
         self._moves_for(phase, first, instances)  # a stream's later steps continue the same rows
+        self._settle()
         workers = {m: [(rank, w) for rank, w in enumerate(self.members)
                        if any(i.microbatch == m for i in sp.programs[rank].instructions)] for m in range(count)}
         waiting: dict[tuple[int, int], set[int]] = {}
@@ -396,9 +751,9 @@ class DistributedRunner:
         gone = set(owners)
         kept = []
         for entry in self.history:
-            if entry[0] == "step" and entry[4] is not None:
-                entry[4].difference_update(gone)
-                if not entry[4]:
+            if entry.kind == "step" and entry.owners is not None:
+                entry.owners.difference_update(gone)
+                if not entry.owners and entry.part not in self._parts:
                     continue
             kept.append(entry)
         self.history = kept
@@ -410,6 +765,7 @@ class DistributedRunner:
         lost = sorted(set(self.started_on) - set(self.members))
         if not lost:
             return None
+        self._settle()
         t0 = time.perf_counter()
         back = []
         for w in lost:
@@ -430,24 +786,45 @@ class DistributedRunner:
 
     def rebuild(self) -> None:
         """Reconnect and reload the same workers and replay the history (after a step failed on a worker,
-        which can leave the process group's transfers mismatched)."""
+        which can leave the process group's transfers mismatched); steps in flight get their outputs from the
+        replay."""
         self.pool.drain(timeout_s=self.step_timeout_s)
+        self._forget_flight()
         self._install(self.placements, [w for w in self.members if w in self.pool.alive])
         self._replay(self.history)
 
-    def _replay(self, entries: list[tuple]) -> None:
+    def _replay(self, entries: list[_Entry]) -> None:
+        """Run ``entries`` again one after another; a step not collected yet keeps its replayed outputs."""
         self._replaying = True
         try:
             for entry in entries:
-                if entry[0] == "set_state":
-                    self._set_state(entry[1])
-                else:
-                    self._step(entry[1], entry[2], entry[3], False)
+                if entry.kind == "set_state":
+                    self._set_state(entry.values)
+                    continue
+                part = _Part(self._new_id(), entry.phase, entry.chunks, entry.instances, False, entry.push_to,
+                             time.monotonic())
+                self._parts[part.id] = part
+                try:
+                    self._send_part(part)
+                    while part.waiting:
+                        self._pump(self.step_timeout_s)
+                finally:
+                    del self._parts[part.id]
+                failed = [(w, r) for w, r in part.replies.items() if isinstance(r, Failure)]
+                if failed:
+                    w, reply = failed[0]
+                    raise WorkerFailed(self.pool.devices[w], f"replaying a {entry.phase} step failed: {reply.error}",
+                                       reply.traceback)
+                outs, _ = self._assemble(part)
+                waiting = self._parts.get(entry.part)
+                if waiting is not None:
+                    waiting.outputs = outs
+            self._land(list(self._transit))
         finally:
             self._replaying = False
 
-    def _record(self, entry: tuple) -> None:
-        if not getattr(self, "_replaying", False):
+    def _record(self, entry: _Entry) -> None:
+        if not self._replaying:
             self.history.append(entry)
 
     def _run_guarded(self, action):
@@ -477,6 +854,8 @@ class DistributedRunner:
         return None
 
     def _recover(self, lost: WorkerLost) -> None:
+        """Re-plan onto the survivors of ``lost`` and replay the history: the state is rebuilt and the steps
+        in flight get their outputs (or raise ``lost`` under on_failure='fail')."""
         self.log(f"tessera: {lost}")
         if self.on_failure != "replan":
             raise lost
@@ -485,16 +864,17 @@ class DistributedRunner:
         if survivors and self.on_lost is not None:
             self.on_lost(lost)
         self.pool.drain(timeout_s=self.step_timeout_s)
+        self._forget_flight()
         survivors = [w for w in self.members if w in self.pool.alive]
         if not survivors:
             raise lost
         self.log(f"tessera: re-planning onto {len(survivors)} surviving workers "
-                 f"({', '.join(self.pool.devices[w] for w in survivors)}) and replaying {len(self.history) - 1} "
-                 "earlier steps")
+                 f"({', '.join(self.pool.devices[w] for w in survivors)}) and replaying {len(self.history)} "
+                 "recorded steps")
         self._install(self.replan(len(survivors)), survivors)
-        self._replay(self.history[:-1])
+        self._replay(self.history)
         recovery = Recovery(lost.device, lost.how, lost.seconds, [self.pool.devices[w] for w in survivors],
-                            len(self.history) - 1, time.perf_counter() - t0)
+                            len(self.history), time.perf_counter() - t0)
         self.recoveries.append(recovery)
         if self.on_recovered is not None:
             self.on_recovered(recovery)

@@ -207,16 +207,19 @@ class WorkerPool:
             raise WorkerLost(w, self.devices[w], "lost earlier", 0.0)
         self.pending[w].append(self.send(w, cmd))
 
-    def next_reply(self, workers, timeout_s: float, raise_failed: bool = True) -> tuple[int, Reply]:
+    def next_reply(self, workers, timeout_s: float, raise_failed: bool = True,
+                   poll_s: float | None = None) -> tuple[int, Reply] | None:
         """The next reply of any of ``workers`` that have commands outstanding (a worker error raises
-        WorkerFailed unless not ``raise_failed``, a lost worker WorkerLost as soon as it is noticed)."""
+        WorkerFailed unless not ``raise_failed``, a lost worker WorkerLost as soon as it is noticed, no reply
+        within ``timeout_s`` WorkerLost); with ``poll_s``, None when no reply came within that long."""
         waiting = [w for w in workers if self.pending[w]]
         if not waiting:
             raise RuntimeSetupError("no command is outstanding on these workers")
         start = time.monotonic()
         while True:
             if self.pipes is not None:
-                ready = mp_connection.wait([self.pipes[w] for w in waiting], timeout=LIVENESS_S)
+                wait_s = LIVENESS_S if poll_s is None else max(0.0, min(LIVENESS_S, poll_s - (time.monotonic() - start)))
+                ready = mp_connection.wait([self.pipes[w] for w in waiting], timeout=wait_s)
                 w = next((v for v in waiting if self.pipes[v] in ready), None)
             else:
                 w = next((v for v in waiting if self._ready(v, self.pending[v][0])), None)
@@ -228,6 +231,8 @@ class WorkerPool:
             waited = time.monotonic() - start
             for v in waiting:
                 self._check(v, waited)
+            if poll_s is not None and waited >= poll_s:
+                return None
             if waited > timeout_s:
                 v = waiting[0]
                 self.lost.add(v)

@@ -28,6 +28,8 @@ from tessera.graph.codec import dtype_from_name, dtype_name
 from tessera.graph.ir import KernelGraph, TensorRef
 from tessera.program.program import Piece, Program, Transfer
 from tessera.runtime.commands import (
+    ARENA_TURNS,
+    TAG_SPAN,
     Command,
     Connect,
     Connected,
@@ -57,6 +59,7 @@ from tessera.runtime.commands import (
     Stop,
     TimeProgram,
     UnknownCommand,
+    step_tag,
 )
 from tessera.runtime.coordination import LOOPBACK, LocalPlane, gloo_device
 from tessera.runtime.cuda_graphs import GraphStats, SegmentGraph, graph_stats
@@ -94,31 +97,36 @@ class WorkerConfig:
 
 
 class OutputArena:
-    """Step outputs written into shared memory (one region per micro-batch) for a driver on the same host:
-    the reply carries a :class:`SharedTensor` (arena, offset, dtype, shape) instead of the bytes. A region is
-    rewritten only by the next step of its micro-batch, which the driver sends after it has copied the region
-    out."""
+    """Step outputs written into shared memory for a driver on the same host: the reply carries a
+    :class:`SharedTensor` (arena, offset, dtype, shape) instead of the bytes. Steps take turns through
+    ARENA_TURNS sets of regions (one region per micro-batch): a region is rewritten ARENA_TURNS steps later,
+    and the driver keeps fewer steps than that unread per worker (streamed jobs use the first set, one step's
+    micro-batches). An arena outgrown is kept until the worker exits: a reply still unread may point into it."""
 
     REGION_ALIGN = 64
 
     def __init__(self):
         self.shm = None
         self.region = 0
+        self.retired: list = []
 
-    def put(self, microbatch: int, tensors: dict[str, torch.Tensor]) -> dict[str, SharedTensor]:
-        """Copy ``tensors`` into micro-batch ``microbatch``'s region; where each one lies."""
+    def put(self, microbatch: int, tensors: dict[str, torch.Tensor], turn: int = 0,
+            micro_batches: int = 1) -> dict[str, SharedTensor]:
+        """Copy ``tensors`` into the region of micro-batch ``microbatch`` of step ``turn`` (of a program of
+        ``micro_batches``); where each one lies."""
         from multiprocessing import shared_memory
 
         sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
         need = sum(-(-s // self.REGION_ALIGN) * self.REGION_ALIGN for s in sizes.values())
-        if self.shm is None or need > self.region or (microbatch + 1) * self.region > self.shm.size:
+        index = (turn % ARENA_TURNS) * max(micro_batches, 1) + microbatch
+        if self.shm is None or need > self.region or (index + 1) * self.region > self.shm.size:
             self.region = max(need, self.region)
-            old, self.shm = self.shm, shared_memory.SharedMemory(create=True, size=max(1, 8 * self.region))
+            regions = max(8, ARENA_TURNS * max(micro_batches, 1), index + 1)
+            old, self.shm = self.shm, shared_memory.SharedMemory(create=True, size=max(1, regions * self.region))
             if old is not None:
-                old.close()
-                old.unlink()
+                self.retired.append(old)
         buf = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
-        at = microbatch * self.region
+        at = index * self.region
         refs = {}
         for name, t in tensors.items():
             flat = t.detach().contiguous().view(-1).view(torch.uint8)
@@ -129,10 +137,10 @@ class OutputArena:
 
     def close(self) -> None:
         """Release the shared memory (the driver's copies stay valid)."""
-        if self.shm is not None:
-            self.shm.close()
-            self.shm.unlink()
-            self.shm = None
+        for shm in [*self.retired, *([self.shm] if self.shm is not None else [])]:
+            shm.close()
+            shm.unlink()
+        self.shm, self.retired = None, []
 
 
 class Worker:
@@ -150,6 +158,8 @@ class Worker:
         self.state: list[dict[str, torch.Tensor]] = []  # per micro-batch
         self.timeout = timedelta(seconds=cfg.transfer_timeout_s)
         self.arena = OutputArena() if cfg.shared_outputs else None
+        self.turn = 0  # steps run so far (their outputs take turns through the arena's regions)
+        self.sending: list[tuple[Any, torch.Tensor]] = []  # state moves' sends still on their way (work, bytes)
         self.ops = device_ops(self.device)  # transfers and kernel timing for this device type
         self.graphs: dict[str, PhaseGraphs] = {}  # CUDA workers with graphs: each phase's segment graphs
 
@@ -160,7 +170,24 @@ class Worker:
         if handler is None:
             raise UnknownCommand(f"worker {self.cfg.worker} does not know the command {type(cmd).__name__} "
                                  f"(commands: {', '.join(c.__name__ for c in HANDLERS)})")
+        if self.sending:
+            self._reap_sends(wait=isinstance(cmd, (Connect, Stop)))
         return handler(self, cmd)
+
+    def _reap_sends(self, wait: bool) -> None:
+        """Drop the state moves' sends that arrived (all of them with ``wait``, before the process group
+        changes); a send that failed raises here."""
+        pending, self.sending = self.sending, []
+        for work, flat in pending:
+            if wait:
+                try:
+                    work.wait(self.timeout)
+                except Exception:  # noqa: BLE001 - the old group is being replaced; its peer may be gone
+                    continue
+            elif not work.is_completed():
+                self.sending.append((work, flat))
+            else:
+                work.wait(self.timeout)  # raises the send's error, if any
 
     def ping(self, cmd: Ping) -> Pong:
         """Who this worker is."""
@@ -210,6 +237,9 @@ class Worker:
             ex = Executor(graph, program, self.weights, self.device, cmd.batch_invariant)
             ops = _opcodes(program)
             by_microbatch = [[op for op in ops if op[2] == m] for m in range(program.micro_batches)]
+            if ph.transfers and max(t.tag for t in ph.transfers) >= TAG_SPAN:
+                raise ValueError(f"phase {name} sends {len(ph.transfers)} messages per step; a step's tags must "
+                                 f"stay below {TAG_SPAN} (place fewer cuts)")
             self.phases[name] = (graph, program, ph.transfers, ex, ops, by_microbatch)
             for s in program.state:
                 b = graph.buffers[s]
@@ -238,7 +268,8 @@ class Worker:
                             for mb in self.state])
 
     def move(self, cmd: Move) -> Moved:
-        """Explicit state moves: send or receive byte ranges of state buffers (per micro-batch)."""
+        """Explicit state moves: send or receive byte ranges of state buffers (per micro-batch). Sends are
+        posted (their bytes packed now) and not waited for: the receiver may be in a step of its own."""
         works, moved = [], 0
         ops = self.ops  # host staging as in steps (pinned buffers on a CUDA device)
         ops.begin_step()
@@ -249,17 +280,18 @@ class Worker:
             if mv.send:
                 out = ops.stage(storages, pieces)
                 out.wait()
-                works.append((self.pg.send([out.flat], mv.peer, mv.tag), None))
+                # the send outlives this command: a staging buffer of its own (a CUDA device reuses its pinned
+                # ones once the step's copies are done; the host packs a new tensor anyway)
+                flat = out.flat.clone() if self.device.type == "cuda" else out.flat
+                self.sending.append((self.pg.send([flat], mv.peer, mv.tag), flat))
             else:
                 flat = ops.recv_buffer(pieces[0].nbytes)
                 works.append((self.pg.recv([flat], mv.peer, mv.tag), (storages, pieces, flat)))
-        for work, into in works:
+        for work, (storages, pieces, flat) in works:
             work.wait(self.timeout)
-            if into is not None:
-                storages, pieces, flat = into
-                ops.unpack(storages, pieces, flat)
+            ops.unpack(storages, pieces, flat)
         ops.end_step()
-        return Moved(moved)
+        return Moved(moved, cmd.step)
 
     def step(self, cmd: Step) -> StepResult:
         """Run the phase's program, micro-batch m on state instance ``state_instances[m]``; the step outputs
@@ -271,10 +303,11 @@ class Worker:
         ex.prepare_microbatches(cmd.inputs, [self.state[i] for i in cmd.state_instances], program.inputs,
                                 program.state)
         mine = [i for i, t in enumerate(transfers) if t.dst == self.rank]
-        compute, timeline = self._execute(graph, transfers, ex, opcodes, mine, t0, cmd.trace)
-        outputs = [self._outputs(graph, program, ex, m) for m in range(program.micro_batches)]
+        compute, timeline = self._execute(graph, transfers, ex, opcodes, mine, t0, cmd.trace, step_tag(cmd.step, 0))
+        turn, self.turn = self.turn, self.turn + 1
+        outputs = [self._outputs(graph, program, ex, m, turn) for m in range(program.micro_batches)]
         ex.release()
-        return StepResult(outputs, time.perf_counter() - t0, compute, timeline, t0)
+        return StepResult(outputs, time.perf_counter() - t0, compute, timeline, t0, None, cmd.step)
 
     def job(self, cmd: Job) -> StepResult:
         """Run only one micro-batch of the phase's program (the driver streams micro-batches through the
@@ -292,18 +325,19 @@ class Worker:
         return StepResult([outputs], time.perf_counter() - t0, compute, timeline, t0, cmd.key)
 
     def _execute(self, graph, transfers, ex, opcodes, receives: list[int], t0: float,
-                 trace: bool) -> tuple[float, list[tuple]]:
+                 trace: bool, base: int = 0) -> tuple[float, list[tuple]]:
         """Post the receives, then run the opcodes; sends go out asynchronously and are waited for at the end.
-        Returns the seconds spent in kernels and (traced) the timeline. Host staging and kernel timing are
-        the device type's (`tessera.runtime.device_ops`): on a CUDA device a send is posted once its bytes have
-        reached pinned host memory, and every copy still in flight is posted before waiting for a receive."""
+        Messages are tagged ``base`` + their transfer's tag (the step's tags). Returns the seconds spent in
+        kernels and (traced) the timeline. Host staging and kernel timing are the device type's
+        (`tessera.runtime.device_ops`): on a CUDA device a send is posted once its bytes have reached pinned
+        host memory, and every copy still in flight is posted before waiting for a receive."""
         ops = self.ops
         ops.begin_step()
         posted = {}
         for i in receives:
             t = transfers[i]
             flat = ops.recv_buffer(t.nbytes)
-            posted[i] = (self.pg.recv([flat], t.src, t.tag), flat)
+            posted[i] = (self.pg.recv([flat], t.src, base + t.tag), flat)
         sends, staged, timeline = [], [], []
         compute = 0.0
         torch.set_grad_enabled(False)  # a worker never needs autograd
@@ -334,21 +368,21 @@ class Worker:
                 t = transfers[arg]
                 out = ops.stage(ex.storages, t.pieces)
                 if out.ready():
-                    sends.append(self.pg.send([out.flat], t.dst, t.tag))
+                    sends.append(self.pg.send([out.flat], t.dst, base + t.tag))
                 else:
                     staged.append((out, t))
             else:
                 if timer is not None:
                     timer.leave()
-                self._post(staged, sends, wait=True)  # the peer may wait for them before it sends this
+                self._post(staged, sends, True, base)  # the peer may wait for them before it sends this
                 work, flat = posted.pop(arg)
                 work.wait(self.timeout)
                 ops.unpack(ex.storages, transfers[arg].pieces, flat, graph)
             if staged:
-                self._post(staged, sends, wait=False)
+                self._post(staged, sends, False, base)
             if trace:
                 timeline.append((_KINDS[code], arg, m, start - t0, clock() - t0))
-        self._post(staged, sends, wait=True)
+        self._post(staged, sends, True, base)
         for work in sends:
             work.wait(self.timeout)
         ops.end_step()
@@ -356,12 +390,13 @@ class Worker:
             compute = timer.seconds()
         return compute, timeline
 
-    def _post(self, staged: list, sends: list, wait: bool) -> None:
-        """Post the staged sends whose bytes are in host memory (``wait``: all of them, waiting for each)."""
+    def _post(self, staged: list, sends: list, wait: bool, base: int = 0) -> None:
+        """Post the staged sends whose bytes are in host memory (``wait``: all of them, waiting for each),
+        tagged ``base`` + their transfer's tag."""
         while staged and (wait or staged[0][0].ready()):
             out, t = staged.pop(0)
             out.wait()
-            sends.append(self.pg.send([out.flat], t.dst, t.tag))
+            sends.append(self.pg.send([out.flat], t.dst, base + t.tag))
 
     def _capture(self, name: str) -> PhaseGraphs:
         """Phase ``name``'s program cut into segments, each captured into a CUDA graph per micro-batch (on
@@ -400,10 +435,12 @@ class Worker:
             ex.release()
         return phase
 
-    def _outputs(self, graph, program, ex, m: int) -> dict[str, Any]:
+    def _outputs(self, graph, program, ex, m: int, turn: int = 0) -> dict[str, Any]:
         ex.select(m)
         views = {name: ex.view(TensorRef.from_json(graph.outputs[name])) for name in program.outputs}
-        return self.arena.put(m, views) if self.arena is not None else {n: v.cpu().clone() for n, v in views.items()}
+        if self.arena is None:
+            return {n: v.cpu().clone() for n, v in views.items()}
+        return self.arena.put(m, views, turn, program.micro_batches)
 
     def stop(self, cmd: Stop) -> Done:
         """Nothing: the worker loop leaves after replying."""
@@ -555,8 +592,8 @@ class _PipeCommands:
         self.conn.send_bytes(data)
 
 
-def _failure(e: Exception) -> Failure:
-    return Failure(f"{type(e).__name__}: {e}", traceback.format_exc())
+def _failure(e: Exception, cmd: Command | None = None) -> Failure:
+    return Failure(f"{type(e).__name__}: {e}", traceback.format_exc(), getattr(cmd, "step", -1))
 
 
 def worker_main(cfg: WorkerConfig, store: dist.Store | None = None, conn=None) -> None:
@@ -593,7 +630,7 @@ def worker_main(cfg: WorkerConfig, store: dist.Store | None = None, conn=None) -
                 cmd = decode(data)
                 reply = worker.handle(cmd)
             except Exception as e:  # noqa: BLE001 - every failure goes back to the driver, which decides
-                reply = _failure(e)
+                reply = _failure(e, cmd)
             try:
                 data = encode(reply)
             except Exception as e:  # noqa: BLE001 - a reply that cannot travel (e.g. not picklable)

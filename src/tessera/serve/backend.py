@@ -10,10 +10,12 @@ kernels as the graph its step plan was solved for, so the plan's placement appli
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -101,10 +103,20 @@ Watcher = Callable[[str, str], None]  # ("recovering" | "recovered", what happen
 class StepBackend(Protocol):
     """Runs one runtime phase on inputs and returns its outputs: the sampled ``tokens`` [rows] and the
     ``logits`` [rows, 1, vocab] they were sampled from. ``owners`` are the requests whose state the step
-    writes; ``forget`` says they are over. A failed step raises; BackendLost when nothing can run any more."""
+    writes; ``forget`` says they are over. A failed step raises; BackendLost when nothing can run any more.
+    ``submit`` starts a step and returns a handle at once (``push_to``: phases whose workers get the state
+    rows it writes as soon as it is done), ``wait`` gives the handles whose steps are done (waiting at most
+    ``timeout_s``, None: until one is), ``result`` a step's outputs (raising as ``run`` does)."""
 
     def run(self, phase: str, inputs: dict[str, torch.Tensor], owners: tuple[str, ...] = ()
             ) -> dict[str, torch.Tensor]: ...
+
+    def submit(self, phase: str, inputs: dict[str, torch.Tensor], owners: tuple[str, ...] = (),
+               push_to: tuple[str, ...] = ()) -> Any: ...
+
+    def wait(self, handles: list, timeout_s: float | None = None) -> list: ...
+
+    def result(self, handle) -> dict[str, torch.Tensor]: ...
 
     def forget(self, owners: list[str]) -> None: ...
 
@@ -119,7 +131,41 @@ class StepBackend(Protocol):
     def close(self) -> None: ...
 
 
-class LocalBackend:
+@dataclass(eq=False)
+class RanStep:
+    """A step a synchronous backend ran when it was submitted: its outputs, or the error it raised."""
+
+    phase: str
+    outputs: dict[str, torch.Tensor] | None
+    error: Exception | None
+
+
+class SyncSteps:
+    """``submit`` / ``wait`` / ``result`` for a backend whose ``run`` runs a step to its end (one step at a
+    time: nothing to overlap)."""
+
+    def submit(self, phase: str, inputs: dict[str, torch.Tensor], owners: tuple[str, ...] = (),
+               push_to: tuple[str, ...] = ()) -> RanStep:
+        """Run the step now; its outputs (or its error) wait in the handle."""
+        try:
+            return RanStep(phase, self.run(phase, inputs, owners), None)
+        except BackendLost:
+            raise
+        except Exception as e:  # noqa: BLE001 - raised again by result(), as run() would
+            return RanStep(phase, None, e)
+
+    def wait(self, handles: list[RanStep], timeout_s: float | None = None) -> list[RanStep]:
+        """Every handle: each step ran when it was submitted."""
+        return list(handles)
+
+    def result(self, handle: RanStep) -> dict[str, torch.Tensor]:
+        """The step's outputs, or its error raised."""
+        if handle.error is not None:
+            raise handle.error
+        return handle.outputs
+
+
+class LocalBackend(SyncSteps):
     """Every phase replayed in this process on one device (the single-process reference); with
     ``batch_invariant``, GEMMs row by row (a row's results do not depend on the batch)."""
 
@@ -166,28 +212,54 @@ class LocalBackend:
         pass
 
 
+STEP_LOG = 4096  # steps whose worker timings a WorkerBackend keeps (the latest)
+
+
 class WorkerBackend:
-    """Every phase run by worker processes under its placement (gloo transfers of exact byte ranges)."""
+    """Every phase run by worker processes under its placement (gloo transfers of exact byte ranges); steps
+    on disjoint workers in flight at once. ``step_log``: the latest steps' timings (phase, per worker its
+    start on the host clock and seconds)."""
 
     def __init__(self, runner):
         self.runner = runner
         self._busy: dict[str, float] = {}
+        self.step_log: deque = deque(maxlen=STEP_LOG)
 
     def run(self, phase: str, inputs: dict[str, torch.Tensor], owners: tuple[str, ...] = ()
             ) -> dict[str, torch.Tensor]:
+        return self.result(self.submit(phase, inputs, owners))
+
+    def submit(self, phase: str, inputs: dict[str, torch.Tensor], owners: tuple[str, ...] = (),
+               push_to: tuple[str, ...] = ()):
+        """Send the step to its workers; a `tessera.runtime.distributed.StepHandle`."""
+        with self._lost():
+            return self.runner.submit(phase, inputs, owners=set(owners), push_to=tuple(push_to))
+
+    def wait(self, handles: list, timeout_s: float | None = None) -> list:
+        """The handles whose steps are done (at least one, unless ``timeout_s`` passed first)."""
+        with self._lost():
+            return self.runner.wait(handles, timeout_s)
+
+    def result(self, handle) -> dict[str, torch.Tensor]:
+        """The step's outputs (its worker's error raised, BackendLost when the workers are lost)."""
+        with self._lost():
+            out = self.runner.result(handle)
+        for timing in handle.timings:
+            self.step_log.append(timing)
+            for device, seconds in zip(timing.workers, timing.compute_s, strict=False):
+                self._busy[device] = self._busy.get(device, 0.0) + seconds
+        return out
+
+    @contextlib.contextmanager
+    def _lost(self):
         from tessera.runtime.pool import WorkerLost
 
         try:
-            out = self.runner.step(phase, inputs, owners=set(owners))
+            yield
         except WorkerLost as lost:  # not re-planned (--on-failure fail), or no worker left
             alive = len(self.runner.pool.alive)
             raise BackendLost(f"{lost}; {alive} worker{'s' if alive != 1 else ''} left"
                               + ("" if alive else ", nothing to re-plan onto")) from None
-        timing = self.runner.last_timing
-        if timing is not None:
-            for device, seconds in zip(timing.workers, timing.compute_s, strict=False):
-                self._busy[device] = self._busy.get(device, 0.0) + seconds
-        return out
 
     def forget(self, owners: list[str]) -> None:
         """Steps of finished requests are not replayed after a lost worker."""

@@ -2,7 +2,9 @@
 and the online monitor's plan switches, on a step backend (the disaggregated runtime's workers, or the
 single-process reference).
 
-One engine thread runs steps one after another. Before each step it admits new requests, drops
+One engine thread runs the steps, on its lanes (`tessera.serve.lanes`): steps on disjoint workers (under
+prefill-decode, a prefill and a decode) are in flight at once, steps sharing a worker take turns. Before
+starting steps it admits new requests, drops
 cancelled ones (freeing their slots) and, when a monitor window is over, lets the monitor pick the
 objective whose step plans the next steps use: the latency plans serve the low-load bucket (at most
 ``latency_rows`` requests in flight, the rest wait), the throughput plans every slot. A prefill step writes a request's prompt but its last
@@ -24,6 +26,7 @@ it. ``close_admission`` and ``abort`` let a server drain on shutdown.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import queue
 import sys
 import threading
@@ -39,6 +42,7 @@ from tessera.runtime.generate import Sampling, sampling_inputs
 from tessera.sched.scheduler import Buckets, Request, ScheduledStep, Scheduler, stages_for
 from tessera.serve.backend import BackendLost, ObjectivePlacements, StepBackend, phase_name
 from tessera.serve.detokenize import IncrementalDetokenizer
+from tessera.serve.lanes import Lane, LaneRunner, lanes_of
 from tessera.serve.monitor import Monitor
 
 EventSink = Callable[[str, Any], None]
@@ -184,6 +188,19 @@ class Engine:
         watch = getattr(backend, "watch", None)
         if watch is not None:
             watch(self._backend_event)
+        self._lanes: dict[str, list[Lane]] = {}
+        self.lanes = LaneRunner(self._current_lanes, self._next_step, self._start_step, self._end_step,
+                                lambda handles, timeout_s: self.backend.wait(handles, timeout_s),
+                                frozenset(s.phase for s in self.scheduler.stages if s.batched))
+
+    def _current_lanes(self) -> list[Lane]:
+        objective = self.monitor.objective
+        if objective not in self._lanes:
+            self._lanes[objective] = lanes_of(self.placements, objective)
+        return self._lanes[objective]
+
+    def _next_step(self, now: float, phases: set[str]) -> ScheduledStep | None:
+        return self.scheduler.next_step(now, phases, max_rows=self.rows[self.monitor.objective])
 
     def _backend_event(self, kind: str, detail: str) -> None:
         """The backend lost a worker ("recovering") or finished re-planning onto the survivors ("recovered")."""
@@ -297,12 +314,9 @@ class Engine:
                     self._restore(now)
                 if self.monitor.due(now):
                     self._close_window(now)
-                step = self.scheduler.next_step(now, max_rows=self.rows[self.monitor.objective])
-                if step is None:
+                if not self.lanes.turn(now):
                     self._wake.wait(timeout=self.monitor.window_s)
                     self._wake.clear()
-                    continue
-                self._run_step(step)
         except BaseException as e:  # noqa: BLE001 - the backend is gone: tell every request, then the server
             self.error = e
             self.status = "failed"
@@ -332,7 +346,7 @@ class Engine:
                 self._emit(gen, "error", gen.sched.rejected)
                 continue
             self._by_request[id(gen.sched)] = gen
-        for gen in [g for g in self._by_request.values() if g.cancelled]:
+        for gen in [g for g in self._by_request.values() if g.cancelled and not g.sched.in_step]:
             self._finish(gen, "cancelled", self.clock())
         if self.queue_timeout_s is not None:
             self._expire(self.clock())
@@ -386,23 +400,48 @@ class Engine:
             positions.append(gen.sched.input + gen.sched.generated - 1)
             slots.append(gen.sched.slot)
             sampling.append(gen.sampling.inputs(len(gen.tokens)))
-        # padding rows write the last cache position of slot 0, which no request reads (a request's last decode
-        # step is at position max_context - 2): there need not be a free slot per padding row (the latency cap
-        # can leave more requests in flight than rows in its step)
+        # padding rows write the last cache position of the step's first row's slot, which no request reads (a
+        # request's last decode step is at position max_context - 2): there need not be a free slot per padding
+        # row (the latency cap can leave more requests in flight than rows in its step), and the step reads no
+        # slot but its requests' (slot 0's KV may be on its way from a prefill still running)
         for _ in range(step.rows - len(gens)):
             tokens.append(self.pad)
             positions.append(self.max_context - 1)
-            slots.append(0)
+            slots.append(slots[0] if slots else 0)
             sampling.append(Sampling().inputs(0))
         return {"input_ids": torch.tensor(tokens)[:, None], "positions": torch.tensor(positions),
                 "slots": torch.tensor(slots), **sampling_inputs(sampling)}
 
-    def _run_step(self, step: ScheduledStep) -> None:
+    def _push_to(self, step: ScheduledStep) -> tuple[str, ...]:
+        """Where a prefill's KV goes on to at once: the workers of the decode steps (of the largest bucket; all
+        buckets of a phase share a placement)."""
+        if step.phase != "prefill":
+            return ()
+        decode = self.placements.phases[self.monitor.objective].get(phase_name("decode", self.scheduler.buckets.batch[-1]))
+        return (decode,) if decode is not None else ()
+
+    def _start_step(self, step: ScheduledStep) -> tuple[Any, tuple[list[Generation], float]]:
+        """Submit ``step`` to the backend; its handle (None: it failed at once, the error in the context) and
+        what finishing it needs."""
         gens = [self._by_request[id(r)] for r in step.requests]
         t0 = self.clock()
         try:
             inputs = self._inputs(step)
-            tokens = self.backend.run(self._phase(step), inputs, tuple(g.id for g in gens))["tokens"].tolist()
+            handle = self.backend.submit(self._phase(step), inputs, tuple(g.id for g in gens), self._push_to(step))
+        except BackendLost:
+            raise
+        except Exception as e:  # noqa: BLE001 - failed before it started: finished (failed) as any step
+            return None, (gens, t0, e)
+        return handle, (gens, t0, None)
+
+    def _end_step(self, step: ScheduledStep, handle: Any, context: tuple) -> None:
+        """Take a step's result: tokens to its requests, the scheduler advanced (requests that ended while it
+        was in flight are left out)."""
+        gens, t0, failed = context
+        try:
+            if failed is not None:
+                raise failed
+            tokens = self.backend.result(handle)["tokens"].tolist()
         except BackendLost:
             raise
         except Exception as e:  # noqa: BLE001 - this step's requests fail; the others go on
@@ -417,6 +456,8 @@ class Engine:
         stopped: list[tuple[Generation, str]] = []
         if step.phase == "decode":
             for row, gen in enumerate(gens):
+                if gen.finish_reason is not None:  # ended while its step was in flight (an abort)
+                    continue
                 try:
                     reason = self._take(gen, tokens[row])
                 except Exception as e:  # noqa: BLE001 - e.g. a token the detokenizer cannot take: this request fails
@@ -426,7 +467,10 @@ class Engine:
                 if reason is not None:
                     stopped.append((gen, reason))
         ended = {id(gen): reason for gen, reason in stopped}
-        for req in self.scheduler.complete(step, t0, t1):  # reached max_tokens (or EOS on the last one)
+        for req in step.requests:
+            req.in_step = req.in_step and id(req) in self._by_request
+        live = [r for r in step.requests if id(r) in self._by_request]
+        for req in self.scheduler.complete(dataclasses.replace(step, requests=live), t0, t1):  # reached max_tokens (or EOS on the last one)
             gen = self._by_request.get(id(req))
             if gen is not None and gen.finish_reason is None:
                 self._done(gen, ended.get(id(gen), "length"), t1)
