@@ -35,11 +35,18 @@ def test_run_prints_only_the_text_and_matches_single_process():
     assert "placement: alternate placement" in result.stderr and "transfers" in result.stderr
 
 
+def _run(*args: str):
+    """`tessera run` in this process (its workers are still processes): the same command as `_tessera` without
+    a second interpreter's start-up; `test_run_prints_only_the_text_and_matches_single_process` and
+    `test_torchrun_rank_zero_drives_and_the_others_work` run it as a real subprocess."""
+    return CliRunner().invoke(app, ["run", "smollm2-135m", *args])
+
+
 def test_hostile_sampling_values_generate_like_greedy():
     """The probe of issue 20: a nucleus of 1e-300 keeps only the top token, so the text is the greedy one."""
-    result = _tessera("run", "smollm2-135m", "--cluster", "cpu:2", "--prompt", PROMPT, "--max-tokens", "4",
-                      "--placement", "alternate", "--temperature", "1", "--top-p", "1e-300", "--check")
-    assert result.returncode == 0, result.stderr
+    result = _run("--cluster", "cpu:2", "--prompt", PROMPT, "--max-tokens", "4", "--placement", "alternate",
+                  "--temperature", "1", "--top-p", "1e-300", "--check")
+    assert result.exit_code == 0, result.output
     assert result.stdout.startswith(" Paris")
     assert "check: the 4 tokens are identical" in result.stderr
 
@@ -56,9 +63,8 @@ def plan_file(tmp_path_factory, prompt_tokens):
 
 
 def test_run_follows_a_plan_file(plan_file):
-    result = _tessera("run", "smollm2-135m", "--cluster", "cpu:2", "--prompt", PROMPT, "--max-tokens", "4",
-                      "--plan", str(plan_file), "--check")
-    assert result.returncode == 0, result.stderr
+    result = _run("--cluster", "cpu:2", "--prompt", PROMPT, "--max-tokens", "4", "--plan", str(plan_file), "--check")
+    assert result.exit_code == 0, result.output
     assert "layer-pipeline plan from" in result.stderr
     assert result.stdout.startswith(" Paris")
 

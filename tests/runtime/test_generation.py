@@ -104,9 +104,15 @@ def test_smollm2_on_three_workers_equals_eager(pool, graphs, smollm2_reference, 
 # Lost workers
 
 
+# A survivor waits for a lost peer at most this long (a receive, or forming the process group), then fails its
+# step and the driver re-plans. The runtime's default is 30 s; a live peer answers within a second here, so 10 s
+# keeps a wide margin while these tests do not spend the default on every loss they provoke.
+TRANSFER_TIMEOUT_S = 10.0
+
+
 @pytest.fixture()
 def fresh_pool():
-    with WorkerPool.local(3, threads=1) as p:
+    with WorkerPool.local(3, threads=1, transfer_timeout_s=TRANSFER_TIMEOUT_S) as p:
         yield p
 
 
