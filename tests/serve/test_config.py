@@ -15,6 +15,7 @@ from tessera.serve.config import ServeConfig, ServeOptionError
     [
         ({"cluster": "A100:1"}, ServeOptionError, "tessera serve starts local cpu workers (--cluster cpu:N)"),
         ({"slots": 0}, ServeOptionError, "--slots must be at least 1 (got 0)"),
+        ({"transfer_timeout_s": 0}, ServeOptionError, "--transfer-timeout must be positive (got 0)"),
         ({"max_context": 1}, ServeOptionError, "--max-context must be at least 2 (got 1)"),
         ({"threads": 0}, ServeOptionError, "--threads must be at least 1 (got 0)"),
         ({"placement": "spread"}, ServeOptionError, "--placement must be one of alternate, random (got 'spread')"),

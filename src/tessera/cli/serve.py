@@ -58,6 +58,8 @@ def serve(
                                   "replicas)."),
     queue_timeout: float = typer.Option(None, "--queue-timeout", help="Seconds a request may wait for its first "
                                         "slot before it fails with 503 (default: no deadline)."),
+    transfer_timeout: float = typer.Option(_SERVE.transfer_timeout_s, "--transfer-timeout", help="Seconds a worker "
+                                           "waits on another's transfer before counting it lost."),
     shutdown_timeout: float = typer.Option(10.0, "--shutdown-timeout", help="Seconds SIGTERM / Ctrl-C waits for "
                                            "requests in flight before ending them with an error."),
     max_body_bytes: int = typer.Option(MAX_BODY_BYTES, "--max-body-bytes", help="Largest request body accepted "
@@ -123,6 +125,7 @@ def serve(
                           latency_policy=latency_policy, placement=placement, seed=seed, threads=threads,
                           beta=beta, window_s=window_ms / 1000, cooldown_s=cooldown_s, local=local,
                           batch_invariant=batch_invariant, on_failure=on_failure, max_queue=max_queue,
+                          transfer_timeout_s=transfer_timeout,
                           queue_timeout_s=queue_timeout)
         cfg.check()
         from tessera.capture.models import resolve_model

@@ -77,6 +77,7 @@ class ServeConfig:
     on_failure: str = "replan"
     max_queue: int | None = 256  # requests waiting for a slot beyond which new ones get 429 (None: no bound)
     queue_timeout_s: float | None = None  # a request without a slot after this long fails with 503 (None: never)
+    transfer_timeout_s: float = 30.0  # a worker waiting this long on a peer's transfer counts it lost
 
     def check(self) -> None:
         """Raise `ServeOptionError` (or the policy's own error) for an option that cannot work."""
@@ -90,6 +91,8 @@ class ServeConfig:
                                    "here")
         if self.slots < 1:
             raise ServeOptionError(f"--slots must be at least 1 (got {self.slots})")
+        if not self.transfer_timeout_s > 0:
+            raise ServeOptionError(f"--transfer-timeout must be positive (got {self.transfer_timeout_s})")
         BATCH_ROWS.check(self.slots, "--slots")
         if self.max_context < 2:
             raise ServeOptionError(f"--max-context must be at least 2 (got {self.max_context})")

@@ -137,7 +137,7 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
         placements = objective_placements(graphs, assignments)
         log(f"starting {workers} workers ({threads} thread{'s' if threads != 1 else ''} each)")
         replan = cfg.on_failure in ("replan", "respawn")
-        pool = WorkerPool.local(workers, threads, allow_lost=replan)
+        pool = WorkerPool.local(workers, threads, transfer_timeout_s=cfg.transfer_timeout_s, allow_lost=replan)
         try:
             phases = {name: graphs[name.split(":")[0]] for name in placements.placements}
             runner = DistributedRunner(pool, phases, placements.placements, weights_path=files, log=log,
