@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from tessera.serve.config import ServeConfig
 from tessera.serve.engine import GenerationParams
@@ -126,7 +125,6 @@ def test_batched_prompts_on_workers_give_the_same_tokens(alone):
     graphs run distributed, and the tokens equal those of each prompt alone in one process."""
     engine = _start(cluster="cpu:2", placement="alternate")
     try:
-        torch.set_num_threads(1)
         assert _together(engine) == alone
         assert [p for p, _ in engine.backend.prefills] == ["prefill@16", "prefill@4x32"]
     finally:

@@ -10,7 +10,7 @@ the prompts but their last tokens of the requests it holds into their KV slots, 
 prompts: the requests ready for a prefill and the waiting ones admitted into free slots, up to every slot
 and ``max_context`` tokens a step, see `serving_scheduler`; prompts padded to the longest one's bucket, rows
 to a rows bucket by repeating the last request); decode steps run every ready request as one row
-each, at its own position and slot (rows padded to a bucket with rows at a cache position no request reads); the step's sampler
+each, at its own position and slot (rows padded to a bucket by repeating the last request); the step's sampler
 kernel picks each row's next token with the request's own temperature, top-p and per-token seed. Tokens are detokenised incrementally; stop strings
 are held back until they cannot start a stop any more. Events go to each request's callback (called on
 the engine thread): ``("token", text)``, then ``("done", finish_reason)`` or ``("error", message)`` (a
@@ -398,13 +398,14 @@ class Engine:
             positions.append(gen.sched.input + gen.sched.generated - 1)
             slots.append(gen.sched.slot)
             sampling.append(gen.sampling.inputs(len(gen.tokens)))
-        # padding rows write the last cache position of slot 0, which no request reads (a request's last decode
-        # step is at position max_context - 2): there need not be a free slot per padding row (the latency cap
-        # can leave more requests in flight than rows in its step)
+        # padding rows repeat the last request (its token at its position into its slot: the same cache write, an
+        # output nobody reads), so no free slot is needed (the latency cap can leave more requests in flight than
+        # rows in its step) and the step's furthest position stays a request's (a CPU's decode attention reads
+        # the cache up to it)
         for _ in range(step.rows - len(gens)):
-            tokens.append(self.pad)
-            positions.append(self.max_context - 1)
-            slots.append(0)
+            tokens.append(tokens[-1])
+            positions.append(positions[-1])
+            slots.append(slots[-1])
             sampling.append(Sampling().inputs(0))
         return {"input_ids": torch.tensor(tokens)[:, None], "positions": torch.tensor(positions),
                 "slots": torch.tensor(slots), **sampling_inputs(sampling)}
