@@ -139,33 +139,28 @@ def main() -> None:
     if not args.local:
         return
     stats = pstats.Stats(profiler)
-    kernel = executor = other = 0.0
-    kernel_calls = 0
-    by_op: dict[str, float] = defaultdict(float)
-    for (path, _line, name), (_cc, nc, tt, _ct, _callers) in stats.stats.items():
-        if path == "~" and ("torch._ops" in name or "tessera" in name or "of 'torch._C" in name
-                            or "built-in method" in name and ("aten" in name or "tessera" in name)):
-            kernel += tt
-            by_op[name] += tt
-            kernel_calls += nc if "torch._ops" in name or "PyCapsule" in name else 0
-        elif "tessera/runtime/executor" in path:
-            executor += tt
+    parts: dict[str, float] = defaultdict(float)
+    attention = 0.0
+    for (path, _line, name), (_cc, _nc, tt, _ct, _callers) in stats.stats.items():
+        if path == "~" and "torch" in name:
+            parts["kernels (torch's C++ ops)"] += tt
+            attention += tt if "scaled_dot_product_attention" in name else 0.0
         elif "tessera/kernels" in path:
-            kernel += tt
-            by_op[f"{name} ({os.path.basename(path)})"] += tt
+            parts["tessera's kernels' Python (composing torch ops)"] += tt
+        elif "/torch/" in path:
+            parts["torch's Python around ops (custom-op dispatch)"] += tt
+        elif "tessera/runtime/executor" in path:
+            parts["executor Python (views, outputs, frees)"] += tt
         else:
-            other += tt
-    total = kernel + executor + other
-    print(f"cProfile of the engine thread (steps only; cProfile's own cost inflates the Python parts): {total:.2f} s")
-    print(f"  kernels (torch and tessera ops) {kernel:.2f} s ({kernel / total:.0%}); executor Python {executor:.2f} s "
-          f"({executor / total:.0%}); the rest (engine, sampling inputs, detokenising, torch Python) {other:.2f} s "
-          f"({other / total:.0%})")
-    runs = stats.stats
-    run_kernel = [v for k, v in runs.items() if k[2] == "run_kernel" and "executor" in k[0]]
-    if run_kernel:
-        calls = run_kernel[0][1]
-        print(f"  kernel calls {calls}: {executor / calls * 1e6:.1f} us of executor Python per call, "
-              f"{kernel / calls * 1e6:.1f} us of kernel")
+            parts["engine and the rest (inputs, sampling, detokenising, events)"] += tt
+    total = sum(parts.values())
+    print(f"cProfile of the engine thread, steps only (its own cost inflates the Python parts): {total:.2f} s")
+    calls = next((v[1] for k, v in stats.stats.items() if k[2] == "run_kernel" and "executor" in k[0]), 0)
+    for what, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
+        per = f", {seconds / calls * 1e6:.1f} us per kernel call" if calls else ""
+        print(f"  {what}: {seconds:.2f} s ({seconds / total:.0%}{per})")
+    print(f"  of the kernels, scaled_dot_product_attention (prefill and decode attention): {attention:.2f} s; "
+          f"kernel calls: {calls}")
     print("top by own time:")
     stats.sort_stats("tottime").print_stats(args.top)
 
