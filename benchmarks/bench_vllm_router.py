@@ -51,8 +51,10 @@ DEPLOYMENTS = {
     "tessera": ["--cluster", "cpu:2", "--slots", "64", "--max-context", "512"],
     "tessera-cpu2": ["--cluster", "cpu:2"],
     "tessera-local": ["--local", "--threads", "2"],
+    "tessera-cpu2-s32": ["--cluster", "cpu:2", "--slots", "32"],
+    "tessera-local-s32": ["--local", "--threads", "2", "--slots", "32"],
 }
-OPTIONAL = ("vllm-1-core", "tessera-cpu2", "tessera-local")  # run when named in --only
+OPTIONAL = ("vllm-1-core", "tessera-cpu2", "tessera-local", "tessera-cpu2-s32", "tessera-local-s32")  # with --only
 
 
 def start(name: str, log: Path) -> tuple[subprocess.Popen, str]:

@@ -109,11 +109,14 @@ def main() -> None:
         done.wait(3600)
         return time.perf_counter() - t0, sorted(firsts.values())
 
+    runner = getattr(engine.backend, "runner", None)
     try:
         serve(8, 16)  # warm-up (not recorded)
+        moved = getattr(runner, "moved_bytes", 0)
         profiling.set()
         wall, ttft = serve(n_req, n_out)
         profiling.clear()
+        moved = getattr(runner, "moved_bytes", 0) - moved
     finally:
         engine.stop()
     tokens = n_req * n_out
@@ -136,6 +139,12 @@ def main() -> None:
               f"{sum(s[4] for s in mine):>9.2f} {sum(s[3] - s[4] for s in mine):>8.2f} "
               f"{' / '.join(f'{b:.2f}' for b in busy):>18}")
     print("(decode tokens: the contexts the rows read; bucket tokens: rows x the cache's positions every row reads)")
+    order = [s[0] for s in steps]
+    first = [s[3] for i, s in enumerate(steps) if s[0] == "decode" and (i == 0 or order[i - 1] == "prefill")]
+    later = [s[3] for i, s in enumerate(steps) if s[0] == "decode" and i > 0 and order[i - 1] == "decode"]
+    if first and later:
+        print(f"decode steps right after a prefill: {len(first)}, mean {np.mean(first):.3f} s; the others: "
+              f"{len(later)}, mean {np.mean(later):.3f} s; state moved between workers: {moved / 1e6:.0f} MB")
     if not args.local:
         return
     stats = pstats.Stats(profiler)
