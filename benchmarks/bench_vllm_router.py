@@ -10,8 +10,9 @@ Deployments (smollm2-135m, each GPU target of a plan stood in for by one cpu wor
   L40S and decode on the A100: three engines on two cores);
 - ``tessera``: `tessera serve --cluster cpu:2 --slots 64` (Tessera's own kernel-level runtime, its default policy);
 - ``tessera-cpu2``: `tessera serve --cluster cpu:2` with its defaults (issue 32's must-show), and
-  ``tessera-local``: `tessera serve --local --threads 2` (one process on both cores), its peer; not in the
-  default set: ``--only tessera-cpu2,tessera-local --workloads fixed:in=64,out=32,requests=32``.
+  ``tessera-local``: `tessera serve --local --threads 2` (one process on both cores), its peer; the same with
+  ``--slots 32`` (``tessera-cpu2-s32``, ``tessera-local-s32``, and ``tessera-local1-s32`` at one thread); not in
+  the default set: ``--only tessera-cpu2,tessera-local --workloads "fixed:in=64,out=32,requests=32"``.
 
 Every vLLM engine runs with prefix caching off (the bench's prompts repeat one word) and eager mode; each
 deployment gets a short warm-up bench first (not recorded).
@@ -53,8 +54,10 @@ DEPLOYMENTS = {
     "tessera-local": ["--local", "--threads", "2"],
     "tessera-cpu2-s32": ["--cluster", "cpu:2", "--slots", "32"],
     "tessera-local-s32": ["--local", "--threads", "2", "--slots", "32"],
+    "tessera-local1-s32": ["--local", "--threads", "1", "--slots", "32"],
 }
-OPTIONAL = ("vllm-1-core", "tessera-cpu2", "tessera-local", "tessera-cpu2-s32", "tessera-local-s32")  # with --only
+OPTIONAL = ("vllm-1-core", "tessera-cpu2", "tessera-local", "tessera-cpu2-s32", "tessera-local-s32",
+            "tessera-local1-s32")  # run when named in --only
 
 
 def start(name: str, log: Path) -> tuple[subprocess.Popen, str]:

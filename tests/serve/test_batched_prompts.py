@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from tessera.serve.config import ServeConfig
 from tessera.serve.engine import GenerationParams
@@ -87,9 +88,12 @@ def _together(engine) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def local():
-    engine = _start(local=True)
+    threads = torch.get_num_threads()
+    engine = _start(local=True)  # --threads 1 applies to this process, the one worker
+    assert torch.get_num_threads() == 1
     yield engine
     engine.stop()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -129,6 +129,10 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
     graphs = bucket_graphs(cfg.model, cfg.slots, cfg.max_context, prompts, buckets.batch, log)
     files = weight_files(cfg.model)
     if cfg.local:
+        if cfg.threads is not None:  # this process is the one worker
+            import torch
+
+            torch.set_num_threads(cfg.threads)
         placements = ObjectivePlacements({n: [0] * len(g.kernels) for n, g in graphs.items()},
                                          {o: {n: n for n in graphs} for o in ("latency", "throughput")}, False)
         backend = LocalBackend(graphs, files, cfg.batch_invariant)
