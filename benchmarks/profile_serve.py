@@ -61,7 +61,7 @@ def main() -> None:
             where = engine.placements.placements[name]
             print(f"placement {name}: " + ", ".join(f"worker {w}: {where.count(w)} kernels" for w in sorted(set(where))))
     word = engine.tokenizer(" the", add_special_tokens=False).input_ids[-1]
-    steps: list[tuple[str, int, int, float, float, list[float]]] = []  # phase, rows, tokens, wall, backend, busy
+    steps: list[tuple] = []  # phase, requests, tokens, wall, backend seconds, busy seconds by device, rows, seq
     profiler = cProfile.Profile()
     profiling = threading.Event()
     run_step, backend_run = engine._run_step, engine.backend.run
@@ -86,7 +86,7 @@ def main() -> None:
         tokens = sum(r.context - 1 if step.phase == "prefill" else r.context for r in step.requests)
         if profiling.is_set():
             steps.append((step.phase, len(step.requests), tokens, wall, timed_run.seconds,
-                          [busy1[d] - busy0.get(d, 0.0) for d in sorted(busy1)], step.rows, step.seq))
+                          {d: busy1[d] - busy0.get(d, 0.0) for d in busy1}, step.rows, step.seq))
 
     engine.backend.run = timed_run
     engine._run_step = profiled_step
@@ -134,10 +134,11 @@ def main() -> None:
         brows = sum(s[6] for s in mine)
         toks = sum(s[2] for s in mine)
         btoks = sum(s[6] * s[7] for s in mine) if kind == "prefill" else brows * cfg.max_context
-        busy = np.sum([s[5] for s in mine], axis=0) if mine[0][5] else []
+        devices = sorted({d for s in mine for d in s[5]})
+        busy = [sum(s[5].get(d, 0.0) for s in mine) for d in devices]
         print(f"{kind:<8} {len(mine):>5} {rows:>6} {brows:>11} {toks:>7} {btoks:>13} {sum(s[3] for s in mine):>7.2f} "
               f"{sum(s[4] for s in mine):>9.2f} {sum(s[3] - s[4] for s in mine):>8.2f} "
-              f"{' / '.join(f'{b:.2f}' for b in busy):>18}")
+              f"{' / '.join(f'{d} {b:.2f}' for d, b in zip(devices, busy, strict=True)):>18}")
     print("(decode tokens: the contexts the rows read; bucket tokens: rows x the cache's positions every row reads)")
     order = [s[0] for s in steps]
     first = [s[3] for i, s in enumerate(steps) if s[0] == "decode" and (i == 0 or order[i - 1] == "prefill")]
