@@ -333,7 +333,7 @@ class Scheduler:
             ready = [r for r in self.running if r.stage == i and r.ready_s <= now and not r.in_step
                      and (owner is None or r.owner is None or r.owner is owner)]
             if not ready and admit and i == 0 and self._admissible(now, cap):
-                req = self._admit(now, owner)
+                req = self._admit(owner)
                 ready = [req] if req.stage == 0 else []
             if ready:
                 req = min(ready, key=lambda r: (r.ready_s, r.arrival_s))
@@ -348,7 +348,7 @@ class Scheduler:
         return bool(self.waiting and self._free and self.waiting[0].arrival_s <= now and len(self.running) < cap
                     and self._fits(self.waiting[0]))
 
-    def _admit(self, now: float, owner: object) -> Request:
+    def _admit(self, owner: object) -> Request:
         """Admit the first waiting request into its first stage (one it needs steps of)."""
         req = self.waiting.popleft()
         req.slot, req.owner = self._free.pop(), owner
@@ -390,7 +390,7 @@ class Scheduler:
             nxt = self.waiting[0]
             if nxt.context > 1 and not self.prompt_fits(len(rows) + 1, max(r.context - 1 for r in [*rows, nxt])):
                 break
-            req = self._admit(now, owner)
+            req = self._admit(owner)
             if req.stage == index:  # a one-token prompt needs no prefill: it waits for the next decode step
                 rows.append(req)
         if not rows:
