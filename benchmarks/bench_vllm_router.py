@@ -10,7 +10,11 @@ Deployments (smollm2-135m, each GPU target of a plan stood in for by one cpu wor
 - ``prefill-decode``: prefill engine and decode engine, one core each, KV handed over (planned for A100:1,L40S:1);
 - ``mix``: the route mix planned for A100:1,L40S:1 at --mix-min-gain 0 (whole on the L40S, prefill on the
   L40S and decode on the A100: three engines on two cores);
-- ``tessera``: `tessera serve --cluster cpu:2` (Tessera's own kernel-level runtime, its default policy).
+- ``tessera``: `tessera serve --cluster cpu:2 --slots 64` (Tessera's own kernel-level runtime, its default policy);
+- ``tessera-cpu2``: `tessera serve --cluster cpu:2` with its defaults (issue 32's must-show), and
+  ``tessera-local``: `tessera serve --local --threads 2` (one process on both cores), its peer; the same with
+  ``--slots 32`` (``tessera-cpu2-s32``, ``tessera-local-s32``, and ``tessera-local1-s32`` at one thread); not in
+  the default set: ``--only tessera-cpu2,tessera-local --workloads "fixed:in=64,out=32,requests=32"``.
 
 Every vLLM engine runs with prefix caching off (the bench's prompts repeat one word) and eager mode; each
 deployment gets a short warm-up bench first (not recorded).
@@ -50,7 +54,14 @@ DEPLOYMENTS = {
                        "A100:1,L40S:1"],
     "mix": ["--cluster", "cpu:2", *VLLM, "--plan", str(MIX_PLAN)],
     "tessera": ["--cluster", "cpu:2", "--slots", "64", "--max-context", "512"],
+    "tessera-cpu2": ["--cluster", "cpu:2"],
+    "tessera-local": ["--local", "--threads", "2"],
+    "tessera-cpu2-s32": ["--cluster", "cpu:2", "--slots", "32"],
+    "tessera-local-s32": ["--local", "--threads", "2", "--slots", "32"],
+    "tessera-local1-s32": ["--local", "--threads", "1", "--slots", "32"],
 }
+OPTIONAL = ("vllm-1-core", "tessera-cpu2", "tessera-local", "tessera-cpu2-s32", "tessera-local-s32",
+            "tessera-local1-s32")  # run when named in --only
 
 
 def start(name: str, log: Path) -> tuple[subprocess.Popen, str]:
@@ -100,7 +111,8 @@ def row(name: str, workload: str, s: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default=",".join(n for n in DEPLOYMENTS if n != "vllm-1-core"))
+    ap.add_argument("--only", default=",".join(n for n in DEPLOYMENTS if n not in OPTIONAL))
+    ap.add_argument("--workloads", default=";".join(WORKLOADS), help="workloads separated by ';'")
     ap.add_argument("--skip", default="")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--repeat", type=int, default=3, help="vllm-1, vllm-1-core: benches directly and through the router, "
@@ -108,6 +120,7 @@ def main() -> None:
     ap.add_argument("--logs", type=Path, default=Path("/tmp/bench_vllm_router"))
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n and n not in args.skip.split(",")]
+    workloads = [w for w in args.workloads.split(";") if w]
     args.logs.mkdir(parents=True, exist_ok=True)
     print(f"# machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}; "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
@@ -118,7 +131,7 @@ def main() -> None:
         try:
             engines = httpx.get(url + "/health", timeout=5).json().get("engines", {})
             bench(url, WARM_UP)  # an engine's first requests after start run slower (not recorded)
-            for workload in WORKLOADS:
+            for workload in workloads:
                 if name.startswith("vllm-1"):  # the same engine directly and through the router, alternating
                     (engine_url,) = [e["url"] for e in engines.values()]
                     for attempt in range(1, args.repeat + 1):
@@ -133,7 +146,7 @@ def main() -> None:
         finally:
             stop(proc)
     for name in (n for n in names if n.startswith("vllm-1")):
-        for w in WORKLOADS:
+        for w in workloads:
             direct = [r for r in results if r["workload"] == w and r["deployment"] == f"{name} direct"]
             routed = [r for r in results if r["workload"] == w and r["deployment"] == f"{name} via router"]
             if direct and routed:

@@ -133,3 +133,40 @@ def test_an_encoded_image_is_prefilled_before_another_request_is_admitted_and_by
     again = sched.next_step(1.0, {"encode", "prefill"}, owner=a)
     assert (again.phase, [r.id for r in again.requests]) == ("prefill", [0])
     assert [r.id for r in sched.waiting] == [2]
+
+
+def test_batched_prompts_share_a_prefill_step_within_the_rows_and_tokens_and_join_as_slots_free():
+    # 4 slots, prefill steps of up to 4 rows and 512 tokens (rows bucket x prompt bucket)
+    sched = Scheduler(stages_for("llm"), slots=4, buckets=Buckets.default(4, 512, 64), prompt_rows=4,
+                      prompt_tokens=512)
+    for i, (n_in, n_out) in enumerate([(40, 2), (100, 2), (60, 1), (30, 3), (200, 1), (10, 1)]):
+        assert sched.submit(Request(i, 0.0, n_in, n_out))
+    log = _drive(sched)
+    assert log == [
+        ("prefill", [0, 1, 2, 3], 4, 128, 128),  # the longest writes 99 tokens: 4 rows x 128 = 512 fit
+
+        ("decode", [0, 1, 2, 3], 4, None, 128),  # 2 is done: one free slot
+        ("prefill", [4], 1, 256, 256),           # 199 tokens: bucket 256; 5 would fit, but no slot is free
+        ("decode", [0, 1, 3, 4], 4, None, 256),  # 0, 1 and 4 are done: two free slots, only 5 waits
+        ("prefill", [5], 1, 64, 128),
+        ("decode", [3, 5], 2, None, 128),
+    ]
+    assert sorted(r.generated for r in sched.done) == [1, 1, 1, 2, 2, 3]
+
+
+def test_a_prefill_step_stops_at_the_first_prompt_that_does_not_fit_and_lists_its_shapes():
+    sched = Scheduler(stages_for("llm"), slots=8, buckets=Buckets.default(8, 512, 64), prompt_rows=8,
+                      prompt_tokens=512)
+    for i, n_in in enumerate([60, 60, 300, 60]):
+        sched.submit(Request(i, 0.0, n_in, 1))
+    step = sched.next_step(0.0)
+    assert ([r.id for r in step.requests], step.rows, step.seq) == ([0, 1], 2, 64)  # 2 x 512 > 512: 2 waits
+    assert [r.id for r in sched.waiting] == [2, 3]  # first come, first served: 3 does not skip ahead
+    step = sched.next_step(0.0)
+    assert ([r.id for r in step.requests], step.rows, step.seq) == ([2], 1, 512)
+    assert sched.prompt_shapes() == [(1, 64), (1, 128), (1, 256), (1, 512), (2, 64), (2, 128), (2, 256),
+                                     (4, 64), (4, 128), (8, 64)]
+    assert sched.next_step(0.0, max_rows=3) is None  # 3 requests in flight: a cap of 3 admits no more
+    assert [r.id for r in sched.next_step(0.0, max_rows=4).requests] == [3]
+    with pytest.raises(SchedulerError, match="at least one row and one token"):
+        Scheduler(stages_for("llm"), slots=1, buckets=Buckets.default(1), prompt_rows=0)

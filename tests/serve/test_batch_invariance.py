@@ -72,11 +72,13 @@ def engine():
     objective); the latency objective's cap (3) is not a row bucket (1, 2, 4), so its steps are padded."""
     cfg = ServeConfig(MODEL, "cpu:1", slots=4, max_context=32, local=True, batch_invariant=True, latency_rows=3,
                       threads=1, window_s=3600.0)
+    threads = torch.get_num_threads()
     engine, how = start_engine(cfg)
     assert "batch-invariant" in how
     engine.backend = _Recorder(engine.backend)
     yield engine
     engine.stop()
+    torch.set_num_threads(threads)
 
 
 def _submit(engine, text: str, events: list):

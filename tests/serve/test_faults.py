@@ -270,8 +270,10 @@ def test_a_drain_finishes_what_it_can_then_ends_each_stream_with_an_error():
     from tessera.serve.config import ServeConfig
     from tessera.serve.launch import start_engine
 
+    threads = torch.get_num_threads()
     engine, _ = start_engine(ServeConfig(MODEL, "cpu:1", slots=4, max_context=CONTEXT, threads=1, local=True),
                              log=lambda s: None)
+    torch.set_num_threads(threads)  # the engine's replay runs at the test's thread count
     lifecycle = Lifecycle(engine)
     server = _Server(lifecycle)
     try:

@@ -75,8 +75,8 @@ def test_streamed_random_placements_never_beat_the_busiest_device(m):
 
 
 def test_request_level_agrees_with_a_full_kernel_level_run(pipelined):
-    """4 requests arrive at once into 4 slots: 4 prefills (63 prompt tokens each), then 8 decode steps of all 4
-    rows (the last prompt token in, 8 tokens out). The request level
+    """4 requests arrive at once into 4 slots: one prefill step of their 4 prompts (63 tokens each, batched),
+    then 8 decode steps of all 4 rows (the last prompt token in, 8 tokens out). The request level
     (cached bucket times: the first step alone, then the streamed period) against one kernel-level run of the
     prefills and of the 8 decode steps streamed back to back."""
     ctx, plan = pipelined
@@ -86,13 +86,13 @@ def test_request_level_agrees_with_a_full_kernel_level_run(pipelined):
     timer, buckets = engine.timer, engine.scheduler.buckets
     seq, prompt_ctx, decode_ctx = buckets.prompt(63), buckets.context(64), buckets.context(64 + 7)
     assert (seq, prompt_ctx, decode_ctx) == (128, 256, 256)
-    prefill = timer.programs("prefill", 1, seq, prompt_ctx)
-    p_times = timer.kernel_times("prefill", 1, seq, prompt_ctx)
+    prefill = timer.programs("prefill", 4, seq, prompt_ctx)
+    p_times = timer.kernel_times("prefill", 4, seq, prompt_ctx)
     decode = timer.programs("decode", 4, None, decode_ctx)
     d_times = timer.kernel_times("decode", 4, None, decode_ctx)
-    full = 4 * simulate_programs(prefill, lambda d, k, m: p_times[k, d], timer.link).makespan_s
+    full = simulate_programs(prefill, lambda d, k, m: p_times[k, d], timer.link).makespan_s
     full += simulate_stream(decode, lambda d, k, m: d_times[k, d], timer.link, steps=8).makespan_s
-    assert result.completed == 4 and result.steps == 4 + 8
+    assert result.completed == 4 and result.steps == 1 + 8
     assert result.makespan_s == pytest.approx(full, rel=0.01)
 
 

@@ -59,8 +59,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      positions: torch.Tensor, scale: float, window: int,
                      sinks: torch.Tensor | None) -> torch.Tensor:
     """One query per row against its cache slot, keys 0..position. q [B,H,1,D] -> [B,1,H,D]."""
-    k = k_cache.index_select(0, slots)
-    v = v_cache.index_select(0, slots)
+    n = k_cache.shape[2]
+    if q.device.type == "cpu" and positions.numel():
+        # on a CPU, read the cache only up to the step's furthest position: the positions after it are masked
+        # for every row, so the result is the same, for the work of the contexts served rather than of the
+        # whole cache (a GPU keeps the static length its graphs are captured at)
+        n = min(n, int(positions.max()) + 1)
+    k = k_cache[:, :, :n].index_select(0, slots)
+    v = v_cache[:, :, :n].index_select(0, slots)
     j = torch.arange(k.shape[2], device=q.device)
     allowed = j[None, :] <= positions[:, None]
     if window > 0:

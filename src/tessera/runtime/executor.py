@@ -18,6 +18,7 @@ from tessera.graph.codec import decode, dtype_from_name
 from tessera.graph.ir import KernelGraph, TensorRef
 from tessera.graph.values import unpack_values
 from tessera.kernels.invariant import invariant_op
+from tessera.kernels.replay import replay_op
 from tessera.kernels.sample import with_sampling_defaults
 from tessera.program.program import Program
 
@@ -281,7 +282,7 @@ class _Call:
     @classmethod
     def compile(cls, graph: KernelGraph, index: int, device: torch.device, batch_invariant: bool = False) -> _Call:
         k = graph.kernels[index]
-        func = (batch_invariant and invariant_op(k.op)) or resolve_op(k.op)
+        func = (invariant_op(k.op) if batch_invariant else replay_op(k.op)) or resolve_op(k.op)
         args = decode(k.args, _Slot.of, device)
         kwargs = {n: decode(v, _Slot.of, device) for n, v in k.kwargs.items()}
         holes: list[tuple[Any, Any, _Slot]] = []

@@ -3,8 +3,8 @@
 One module, two users: the simulator's request level (:mod:`tessera.sim.requests`) and the serving
 engine make every batching decision here, so a prediction and a served run batch the same way.
 
-A request goes through its family's stages in order (``stages_for``): for an LLM ``prefill`` (one
-request per step: its prompt except the last token, which fills the cache) then ``decode`` (rows of
+A request goes through its family's stages in order (``stages_for``): for an LLM ``prefill`` (its prompt
+except the last token, which fills the cache; one request per step, or several with ``prompt_rows``, below) then ``decode`` (rows of
 many requests share a step; a request's first decode step feeds its last prompt token and yields its
 first output token, each later one feeds the token before: ``output`` decode steps in all). Prefill
 steps run at static prompt buckets and the prefill step's logits are at the bucket's last position,
@@ -37,6 +37,14 @@ disaggregated prefill, the row waits for the step to end instead). Readmitted, i
 the first, its prefill over prompt + generated tokens but the last (which its next decode step feeds)
 at that length's prompt bucket, then decodes the outputs it still owes (each output counts once). A
 request whose whole context (input + output) needs more blocks than the budget is rejected at submit.
+
+Batched prompts (``prompt_rows`` > 1, what `tessera serve` runs): a prefill step holds several requests,
+one row each, at the rows bucket of their count and the prompt bucket of the longest (shorter prompts are
+padded after their last token, which causal attention never lets them read). It takes the requests ready for a
+prefill (earliest first), then admits waiting ones first come first served into the same step while slots
+are free and the step stays within ``prompt_rows`` requests and ``prompt_tokens`` tokens (rows bucket x
+prompt bucket; one request always fits): continuous batching, since prompts join after every step without
+waiting for the running requests to finish. `prompt_shapes` lists the shapes such steps can take.
 
 Priorities: among the stages a lane may run, single-request stages go first, the latest stage first (a
 finished diffusion image is decoded at once, an encoded image is prefilled before another request is
@@ -221,6 +229,8 @@ class Scheduler:
     max_context: int | None = DEFAULT_MAX_CONTEXT
     max_queue: int | None = None  # waiting requests beyond this are rejected (None: unbounded)
     kv: KVBudget | None = None  # paged KV admission (None: slots alone)
+    prompt_rows: int = 1  # the most requests one prefill step holds (batched prompts, see the module docstring)
+    prompt_tokens: int | None = None  # the most tokens (rows bucket x prompt bucket) of a prefill step of several
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
     done: list[Request] = field(default_factory=list)
@@ -232,6 +242,9 @@ class Scheduler:
             raise SchedulerError(f"a scheduler needs at least one slot (got {self.slots})")
         if not self.stages or sum(s.batched for s in self.stages) > 1:
             raise SchedulerError("a request needs stages, at most one of them batched")
+        if self.prompt_rows < 1 or (self.prompt_tokens is not None and self.prompt_tokens < 1):
+            raise SchedulerError(f"a prefill step needs at least one row and one token (got prompt_rows "
+                                 f"{self.prompt_rows}, prompt_tokens {self.prompt_tokens})")
         self._free = list(range(self.slots - 1, -1, -1))
         self._free_blocks = self.kv.blocks if self.kv is not None else 0
 
@@ -312,17 +325,15 @@ class Scheduler:
                     ctx = self.buckets.context(longest) if self.buckets.ctx else None
                     return self._handed(ScheduledStep(stage.phase, rows, self.buckets.rows(len(rows)), None, ctx))
                 continue
+            if stage.phase == "prefill" and self.prompt_rows > 1:
+                prompts = self._prompts(i, now, cap, admit, owner)
+                if prompts is not None:
+                    return self._handed(prompts)
+                continue
             ready = [r for r in self.running if r.stage == i and r.ready_s <= now and not r.in_step
                      and (owner is None or r.owner is None or r.owner is owner)]
-            if (not ready and admit and i == 0 and self.waiting and self._free and self.waiting[0].arrival_s <= now
-                    and len(self.running) < cap and self._fits(self.waiting[0])):
-                req = self.waiting.popleft()
-                req.slot, req.owner = self._free.pop(), owner
-                if self.kv is not None:
-                    req.blocks = self.kv.blocks_for(req.context)
-                    self._free_blocks -= req.blocks
-                self._enter(req, 0)
-                self.running.append(req)
+            if not ready and admit and i == 0 and self._admissible(now, cap):
+                req = self._admit(owner)
                 ready = [req] if req.stage == 0 else []
             if ready:
                 req = min(ready, key=lambda r: (r.ready_s, r.arrival_s))
@@ -331,6 +342,62 @@ class Scheduler:
                 ctx = self.buckets.context(req.context) if stage.phase == "prefill" and self.buckets.ctx else None
                 return self._handed(ScheduledStep(stage.phase, [req], 1, seq, ctx))
         return None
+
+    def _admissible(self, now: float, cap: int) -> bool:
+        """Whether the first waiting request may be admitted now (a free slot, its KV blocks, the cap)."""
+        return bool(self.waiting and self._free and self.waiting[0].arrival_s <= now and len(self.running) < cap
+                    and self._fits(self.waiting[0]))
+
+    def _admit(self, owner: object) -> Request:
+        """Admit the first waiting request into its first stage (one it needs steps of)."""
+        req = self.waiting.popleft()
+        req.slot, req.owner = self._free.pop(), owner
+        if self.kv is not None:
+            req.blocks = self.kv.blocks_for(req.context)
+            self._free_blocks -= req.blocks
+        self._enter(req, 0)
+        self.running.append(req)
+        return req
+
+    def prompt_fits(self, rows: int, longest: int) -> bool:
+        """Whether a prefill step of ``rows`` requests, the longest writing ``longest`` tokens, fits
+        ``prompt_rows`` and ``prompt_tokens`` (one request always does)."""
+        if rows <= 1:
+            return True
+        if rows > min(self.prompt_rows, self.buckets.batch[-1]):
+            return False
+        return self.prompt_tokens is None or \
+            self.buckets.rows(rows) * self.buckets.prompt(longest) <= self.prompt_tokens
+
+    def prompt_shapes(self) -> list[tuple[int, int]]:
+        """Every (rows bucket, prompt bucket) a prefill step may take (the graphs a server traces for them)."""
+        shapes = {(self.buckets.rows(n), s) for n in range(1, min(self.prompt_rows, self.buckets.batch[-1]) + 1)
+                  for s in self.buckets.seq if self.prompt_fits(n, s)}
+        return sorted(shapes)
+
+    def _prompts(self, index: int, now: float, cap: int, admit: bool, owner: object) -> ScheduledStep | None:
+        """A prefill step of several requests: those ready for it (earliest first), then waiting requests
+        admitted first come first served, while the step fits (`prompt_fits`) and slots are free."""
+        ready = sorted((r for r in self.running if r.stage == index and r.ready_s <= now and not r.in_step
+                        and (owner is None or r.owner is None or r.owner is owner)),
+                       key=lambda r: (r.ready_s, r.arrival_s))
+        rows: list[Request] = []
+        for req in ready:
+            if not self.prompt_fits(len(rows) + 1, max(r.context - 1 for r in [*rows, req])):
+                break
+            rows.append(req)
+        while admit and index == 0 and self._admissible(now, cap):
+            nxt = self.waiting[0]
+            if nxt.context > 1 and not self.prompt_fits(len(rows) + 1, max(r.context - 1 for r in [*rows, nxt])):
+                break
+            req = self._admit(owner)
+            if req.stage == index:  # a one-token prompt needs no prefill: it waits for the next decode step
+                rows.append(req)
+        if not rows:
+            return None
+        seq = self.buckets.prompt(max(r.context - 1 for r in rows)) if self.buckets.seq else None
+        ctx = self.buckets.context(max(r.context for r in rows)) if self.buckets.ctx else None
+        return ScheduledStep("prefill", rows, self.buckets.rows(len(rows)), seq, ctx)
 
     @staticmethod
     def _handed(step: ScheduledStep) -> ScheduledStep:

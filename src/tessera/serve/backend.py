@@ -2,7 +2,8 @@
 worker processes under a deployment's placements (the disaggregated runtime), or replayed in this
 process (the single-process reference).
 
-Phases are named ``prefill@S`` (one request, a prompt bucket of S tokens) and ``decode@B`` (B rows), with
+Phases are named ``prefill@S`` (one request, a prompt bucket of S tokens), ``prefill@RxS`` (a prompt bucket
+of R rows of S tokens: batched prompts) and ``decode@B`` (B rows), with
 ``:latency`` / ``:throughput`` appended when the two objectives' step plans place kernels differently.
 Every graph shares one KV cache of ``slots`` rows and ``ctx`` positions; a bucket's graph has the same
 kernels as the graph its step plan was solved for, so the plan's placement applies to every bucket.
@@ -34,17 +35,22 @@ def phase_name(phase: str, size: int, objective: str | None = None) -> str:
     return f"{phase}@{size}" + (f":{objective}" if objective else "")
 
 
-def bucket_graphs(model: str, slots: int, ctx: int, prompts: tuple[int, ...],
+def prefill_name(rows: int, seq: int) -> str:
+    """The bucket phase of a prefill step of ``rows`` rows of ``seq`` tokens: ``prefill@64`` or ``prefill@4x64``."""
+    return phase_name("prefill", seq) if rows == 1 else f"prefill@{rows}x{seq}"
+
+
+def bucket_graphs(model: str, slots: int, ctx: int, prompts: list[tuple[int, int]],
                   rows: tuple[int, ...], log: Callable[[str], None] = lambda s: None) -> dict[str, KernelGraph]:
-    """The prefill graph of every prompt bucket and the decode graph of every row bucket, over one cache of
-    ``slots`` rows and ``ctx`` positions (traced on meta)."""
+    """The prefill graph of every (rows, prompt) bucket and the decode graph of every row bucket, over one
+    cache of ``slots`` rows and ``ctx`` positions (traced on meta)."""
     from tessera.capture.api import trace_model
 
     graphs = {}
-    for s in prompts:
-        log(f"tracing {model} prefill@{s}")
-        graphs[phase_name("prefill", s)] = trace_model(model, "prefill", batch=1, seq=s, ctx=ctx,
-                                                        slots=slots if slots > 1 else None)
+    for r, s in prompts:
+        name = prefill_name(r, s)
+        log(f"tracing {model} {name}")
+        graphs[name] = trace_model(model, "prefill", batch=r, seq=s, ctx=ctx, slots=slots if slots != r else None)
     for b in rows:
         log(f"tracing {model} decode@{b}")
         graphs[phase_name("decode", b)] = trace_model(model, "decode", batch=b, ctx=ctx,

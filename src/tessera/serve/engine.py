@@ -7,9 +7,12 @@ prefill-decode, a prefill and a decode) are in flight at once, steps sharing a w
 starting steps it admits new requests, drops
 cancelled ones (freeing their slots) and, when a monitor window is over, lets the monitor pick the
 objective whose step plans the next steps use: the latency plans serve the low-load bucket (at most
-``latency_rows`` requests in flight, the rest wait), the throughput plans every slot. A prefill step writes a request's prompt but its last
-token into its KV slot (prompt padded to a bucket); decode steps run every ready request as one row
-each, at its own position and slot (rows padded to a bucket with rows at a cache position no request reads); the step's sampler
+``latency_rows`` requests in flight, the rest wait), the throughput plans every slot. A prefill step writes
+the prompts but their last tokens of the requests it holds into their KV slots, one row each (batched
+prompts: the requests ready for a prefill and the waiting ones admitted into free slots, up to every slot
+and ``max_context`` tokens a step, see `serving_scheduler`; prompts padded to the longest one's bucket, rows
+to a rows bucket by repeating the last request); decode steps run every ready request as one row
+each, at its own position and slot (rows padded to a bucket by repeating the last request); the step's sampler
 kernel picks each row's next token with the request's own temperature, top-p and per-token seed. Tokens are detokenised incrementally; stop strings
 are held back until they cannot start a stop any more. Events go to each request's callback (called on
 the engine thread): ``("token", text)``, then ``("done", finish_reason)`` or ``("error", message)`` (a
@@ -40,7 +43,7 @@ import torch
 from tessera.errors import TesseraError
 from tessera.runtime.generate import Sampling, sampling_inputs
 from tessera.sched.scheduler import Buckets, Request, ScheduledStep, Scheduler, stages_for
-from tessera.serve.backend import BackendLost, ObjectivePlacements, StepBackend, phase_name
+from tessera.serve.backend import BackendLost, ObjectivePlacements, StepBackend, phase_name, prefill_name
 from tessera.serve.detokenize import IncrementalDetokenizer
 from tessera.serve.lanes import Lane, LaneRunner, lanes_of
 from tessera.serve.monitor import Monitor
@@ -134,6 +137,8 @@ class EngineStats:
     tokens: int = 0
     completed: int = 0
     steps: int = 0
+    prefill_steps: int = 0
+    prefilled: int = 0  # requests whose prompts ran in those prefill steps (several a step: batched prompts)
     failed: int = 0  # requests ended by a server-side failure (failed step, lost backend, shutdown)
     failed_steps: int = 0
     recoveries: int = 0  # lost workers re-planned onto the survivors
@@ -144,6 +149,12 @@ class EngineStats:
     tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))  # seconds per later token, per request
     step_s: dict[str, float] = field(default_factory=dict)  # seconds in steps, per objective
     tokens_by: dict[str, int] = field(default_factory=dict)  # tokens generated, per objective
+
+
+def serving_scheduler(slots: int, buckets: Buckets, max_context: int) -> Scheduler:
+    """The engine's scheduler: ``slots`` requests in flight; batched prompts of up to every slot and at most
+    ``max_context`` tokens a prefill step (rows bucket x prompt bucket: the longest prompt fits alone)."""
+    return Scheduler(stages_for("llm"), slots, buckets, max_context, prompt_rows=slots, prompt_tokens=max_context)
 
 
 class Engine:
@@ -159,7 +170,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.scheduler = Scheduler(stages_for("llm"), slots, buckets, max_context)
+        self.scheduler = serving_scheduler(slots, buckets, max_context)
         self.max_context = max_context
         # the latency plan serves the low-load bucket: at most this many requests in flight while it is active
         self.rows = {"latency": min(slots, latency_rows or slots), "throughput": slots}
@@ -384,30 +395,32 @@ class Engine:
                      f"beta {self.monitor.beta})")
 
     def _phase(self, step: ScheduledStep) -> str:
-        size = step.seq if step.phase == "prefill" else step.rows
-        return self.placements.phases[self.monitor.objective][phase_name(step.phase, size)]
+        name = prefill_name(step.rows, step.seq) if step.phase == "prefill" else phase_name(step.phase, step.rows)
+        return self.placements.phases[self.monitor.objective][name]
 
     def _inputs(self, step: ScheduledStep) -> dict[str, torch.Tensor]:
         gens = [self._by_request[id(r)] for r in step.requests]
         if step.phase == "prefill":
-            gen = gens[0]
-            ids = gen.prompt_ids[:-1] + [self.pad] * (step.seq - len(gen.prompt_ids) + 1)
-            return {"input_ids": torch.tensor([ids]), "slots": torch.tensor([gen.sched.slot]),
-                    **sampling_inputs([Sampling().inputs(0)])}  # prefill's token is not used: greedy
+            # padding rows repeat the last request: the same prompt into the same slot writes the same cache
+            rows = gens + [gens[-1]] * (step.rows - len(gens))
+            ids = [g.prompt_ids[:-1] + [self.pad] * (step.seq - len(g.prompt_ids) + 1) for g in rows]
+            return {"input_ids": torch.tensor(ids), "slots": torch.tensor([g.sched.slot for g in rows]),
+                    **sampling_inputs([Sampling().inputs(0)] * step.rows)}  # prefill's tokens are not used
         tokens, positions, slots, sampling = [], [], [], []
         for gen in gens:
             tokens.append(gen.tokens[-1] if gen.tokens else gen.prompt_ids[-1])
             positions.append(gen.sched.input + gen.sched.generated - 1)
             slots.append(gen.sched.slot)
             sampling.append(gen.sampling.inputs(len(gen.tokens)))
-        # padding rows write the last cache position of the step's first row's slot, which no request reads (a
-        # request's last decode step is at position max_context - 2): there need not be a free slot per padding
-        # row (the latency cap can leave more requests in flight than rows in its step), and the step reads no
-        # slot but its requests' (slot 0's KV may be on its way from a prefill still running)
+        # padding rows repeat the last request (its token at its position into its slot: the same cache write, an
+        # output nobody reads), so no free slot is needed (the latency cap can leave more requests in flight than
+        # rows in its step) and the step's furthest position stays a request's (a CPU's decode attention reads
+        # the cache up to it), and the step reads no slot but its requests' (another slot's KV may be on its way
+        # from a prefill still running on another lane)
         for _ in range(step.rows - len(gens)):
-            tokens.append(self.pad)
-            positions.append(self.max_context - 1)
-            slots.append(slots[0] if slots else 0)
+            tokens.append(tokens[-1])
+            positions.append(positions[-1])
+            slots.append(slots[-1])
             sampling.append(Sampling().inputs(0))
         return {"input_ids": torch.tensor(tokens)[:, None], "positions": torch.tensor(positions),
                 "slots": torch.tensor(slots), **sampling_inputs(sampling)}
@@ -453,6 +466,9 @@ class Engine:
         self.stats.step_s[objective] = self.stats.step_s.get(objective, 0.0) + t1 - t0
         if step.phase == "decode":
             self.stats.tokens_by[objective] = self.stats.tokens_by.get(objective, 0) + len(step.requests)
+        else:
+            self.stats.prefill_steps += 1
+            self.stats.prefilled += len(step.requests)
         stopped: list[tuple[Generation, str]] = []
         if step.phase == "decode":
             for row, gen in enumerate(gens):

@@ -16,7 +16,7 @@ from tessera.serve.backend import (
     objective_placements,
 )
 from tessera.serve.config import ServeConfig
-from tessera.serve.engine import Engine
+from tessera.serve.engine import Engine, serving_scheduler
 from tessera.serve.monitor import Monitor
 
 PLAN_PROMPT = 64  # prompt length the placements are planned for (every prompt bucket has the same kernels)
@@ -125,9 +125,14 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
     workers = len(cluster.devices)
     threads = cfg.threads or cluster.devices[0].spec.threads or 1
     buckets = Buckets.default(cfg.slots, cfg.max_context, cfg.min_prompt_bucket)
-    graphs = bucket_graphs(cfg.model, cfg.slots, cfg.max_context, buckets.seq, buckets.batch, log)
+    prompts = serving_scheduler(cfg.slots, buckets, cfg.max_context).prompt_shapes()
+    graphs = bucket_graphs(cfg.model, cfg.slots, cfg.max_context, prompts, buckets.batch, log)
     files = weight_files(cfg.model)
     if cfg.local:
+        if cfg.threads is not None:  # this process is the one worker
+            import torch
+
+            torch.set_num_threads(cfg.threads)
         placements = ObjectivePlacements({n: [0] * len(g.kernels) for n, g in graphs.items()},
                                          {o: {n: n for n in graphs} for o in ("latency", "throughput")}, False)
         backend = LocalBackend(graphs, files, cfg.batch_invariant)

@@ -54,6 +54,9 @@ class PrometheusMetrics:
         metric(lines, "tessera_completed_requests_total", "counter", "Requests that finished (stop or length).",
                 [("", stats.completed)])
         metric(lines, "tessera_engine_steps_total", "counter", "Engine steps run.", [("", stats.steps)])
+        metric(lines, "tessera_prefill_steps_total", "counter", "Prefill steps run.", [("", stats.prefill_steps)])
+        metric(lines, "tessera_prefilled_requests_total", "counter", "Requests whose prompts ran in those prefill "
+               "steps (several a step: batched prompts).", [("", stats.prefilled)])
         metric(lines, "tessera_tokens_per_second", "gauge", "Tokens generated per second over the last minute of "
                 "scrapes (since the server started on the first scrape).",
                 [("", self.tokens_per_second(time.monotonic(), tokens))])

@@ -182,6 +182,8 @@ class ReplicatedEngine:
             out.tokens += s.tokens
             out.completed += s.completed
             out.steps += s.steps
+            out.prefill_steps += s.prefill_steps
+            out.prefilled += s.prefilled
             out.failed += s.failed
             out.failed_steps += s.failed_steps
             out.recoveries += s.recoveries

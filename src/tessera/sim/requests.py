@@ -10,7 +10,8 @@ plan's batch. On lanes, phases whose step plans use disjoint targets run concurr
 disaggregation); phases sharing a target take turns. A step occupies its lane for the step's time at its
 bucket: alone (``first_s``) after a pause or a change of bucket, or the streamed period when the same
 bucket runs again back to back. An explicit state move between phases (KV after a prefill on another
-device) holds the request back by the move's time. Arrivals go to the engine with the least outstanding
+device) holds the request back by the move's time. At static buckets an LLM's prompts are batched into prefill steps
+as `tessera serve` batches them (up to every slot and the longest prompt bucket's tokens a step). Arrivals go to the engine with the least outstanding
 work for its speed.
 """
 
@@ -180,7 +181,12 @@ def _scheduler(ctx: PlanContext, slots: int, kv: KVBudget | None, max_context: i
     if family == "ssm":  # an SSM's state does not grow with the context: one decode shape
         buckets = Buckets(buckets.batch, buckets.seq)
     denoise = ctx.workload.steps if isinstance(ctx.workload, ImagesWorkload) else 28
-    return Scheduler(stages_for(family, denoise), slots, buckets, context, kv=kv)
+    # Tessera's server batches prompts (`tessera.serve.engine.serving_scheduler`): every slot, at most the
+    # longest prompt bucket's tokens a prefill step; a KV cache only (padding after an SSM's prompt would
+    # enter its state), and not at engine shapes, whose prompt steps stay one request each
+    batched = family in ("llm", "moe") and not engine_shapes and context is not None
+    return Scheduler(stages_for(family, denoise), slots, buckets, context, kv=kv,
+                     prompt_rows=slots if batched else 1, prompt_tokens=buckets.seq[-1] if batched else None)
 
 
 def _one_engine(ctx: PlanContext, plan: DeploymentPlan, objective: str, routes: list[EnginePart],
@@ -341,7 +347,8 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
             dur = _duration(e, lane, step, now)
             if not any(st.batched and st.phase == step.phase for st in e.scheduler.stages):  # a prompt step
                 lane.prompt_s += dur
-                lane.prompts += step.phase == e.scheduler.stages[0].phase  # its first stage: an admission
+                if step.phase == e.scheduler.stages[0].phase:  # its first stage: admissions
+                    lane.prompts += len(step.requests)
             lane.step, lane.start_s, lane.busy_until, lane.last_bucket = step, now, now + dur, step.bucket
             lane.busy_s += dur
             e.steps += 1

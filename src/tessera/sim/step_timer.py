@@ -77,7 +77,10 @@ class StepTimer:
         seq = seq if seq is not None else base.seq
         if ctx is None:  # no context buckets (an SSM's state does not grow): the traced cache holds the prompt
             ctx = max(base.ctx, seq) if base.ctx is not None and seq is not None else base.ctx
-        return replace(base, batch=rows, seq=seq, ctx=ctx)
+        slots = base.slots
+        if slots is not None and phase in self.steps and rows // self.micro_batches(phase, rows) > slots:
+            slots = None  # a prefill of batched prompts holds more rows than a micro-batch's state: one per row
+        return replace(base, batch=rows, seq=seq, ctx=ctx, slots=slots)
 
     def micro_batches(self, phase: str, rows: int) -> int:
         """The step plan's M, or the largest count below it that splits ``rows`` evenly."""
