@@ -93,13 +93,7 @@ class ShareSwitch:
         """Look at the requests in flight at ``now`` (router clock, seconds); the switch it makes, if any."""
         if self.policy != "auto" or self.fastest is None or now - self._last_switch < self.cooldown_s:
             return None
-        capacity = self.capacity
-        if in_flight >= capacity:
-            want = "throughput"
-        elif in_flight < capacity * self.hysteresis:
-            want = "latency"
-        else:
-            want = self.mode
+        want = objective_for(in_flight, self.capacity, self.hysteresis, self.mode)
         if want == self.mode:
             return None
         change = ShareChange(now, self.mode, want, in_flight)
@@ -108,6 +102,16 @@ class ShareSwitch:
         self.mode = want
         self._last_switch = now
         return change
+
+
+def objective_for(load: float, threshold: float, hysteresis: float, current: str) -> str:
+    """The objective a load asks for: ``throughput`` at ``threshold`` or above, ``latency`` below ``threshold x
+    hysteresis``, and in the band between, ``current`` (the online monitor's rule and the share switch's)."""
+    if load >= threshold:
+        return "throughput"
+    if load < threshold * hysteresis:
+        return "latency"
+    return current
 
 
 def key(route: PlannedRoute) -> str:
@@ -137,4 +141,4 @@ class SmoothRoundRobin:
         self.credit.clear()
 
 
-__all__ = ["SHARE_MODES", "ShareChange", "ShareSwitch", "ShareSwitchError", "SmoothRoundRobin", "key"]
+__all__ = ["SHARE_MODES", "ShareChange", "ShareSwitch", "ShareSwitchError", "SmoothRoundRobin", "key", "objective_for"]

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tessera.errors import TesseraError
+from tessera.plan.shares import objective_for
 from tessera.sched.scheduler import Request
 
 SWITCH_LOG = 1000  # switches the monitor remembers (Monitor.switch_count counts them all)
@@ -76,12 +77,7 @@ class Monitor:
             return None
         ratio = latency / execution
         self.last_ratio = ratio
-        if ratio >= self.beta:
-            want = "throughput"
-        elif ratio < self.beta * self.hysteresis:
-            want = "latency"
-        else:  # inside the band: keep the current plans
-            want = self.objective
+        want = objective_for(ratio, self.beta, self.hysteresis, self.objective)  # in the band: keep the plans
         if not self.enabled or want == self.objective or now - self._last_switch < self.cooldown_s:
             return None
         switch = Switch(now, self.objective, want, ratio)
