@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from tessera.errors import TesseraError
 from tessera.plan.deployment import PlannedEngine, PlannedRoute
@@ -71,14 +72,14 @@ class ShareSwitch:
                                    "or written before routes carried it); use --shares throughput or plan again")
         self.mode = self.policy if self.policy != "auto" else ("latency" if fastest is not None else "throughput")
 
-    @property
+    @cached_property
     def fastest(self) -> PlannedRoute | None:
         """The route of the lowest planned latency (None: one route, or a route without a latency)."""
         if len(self.routes) < 2 or any(r.latency_s is None for r in self.routes):
             return None
         return min(self.routes, key=lambda r: (r.latency_s, -r.share))
 
-    @property
+    @cached_property
     def capacity(self) -> int:
         """Requests the latency route's last engine runs at once (its ``max_num_seqs``)."""
         fastest = self.fastest

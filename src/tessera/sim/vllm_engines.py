@@ -249,7 +249,8 @@ def simulate_vllm(engines: list[EngineSim], routes: list[SimRoute], draws: list[
             if e.step is not None and e.busy_until <= now:
                 for req in e.finish(now):
                     _leave(engines, req, now)
-                    in_flight -= req.finish_s is not None
+                    if req.finish_s is not None:  # its last hop is over, not just its prefill
+                        in_flight -= 1
         while pending and pending[0].arrival_s <= now:
             req = pending.popleft()
             req.hops = routes[_pick(routes, robin, switch, req.arrival_s, in_flight)].hops
