@@ -128,3 +128,17 @@ def test_the_plans_targets_map_onto_cpu_workers_in_order():
     gpu = gpu_deployment(plan, VLLMOptions("python", "/m", "llama", connector="nixl"))
     assert {ln.engine.name: ln.placement.gpus for ln in gpu.launches} == {
         "whole@L40S": (0,), "prefill@L40S": (0,), "decode@A100": (0,)}
+    assert gpu.host_cores == () and all(ln.host_cores == () for ln in gpu.launches)
+
+
+def test_cores_no_engine_computes_on_host_the_router_and_the_engines_schedulers():
+    plan = DeploymentPlan.load(LLAMA_PLAN)
+    options = VLLMOptions("/py", "/m", "llama", kv_store="/tmp/kv")
+    # two workers of 4 cores each, 1 thread each: compute on cores 0 and 4, the rest hosts the others
+    d = cpu_deployment(plan, 2, options, [9101, 9102, 9103], cores=8, threads=1)
+    assert {ln.engine.name: ln.placement.cores for ln in d.launches} == {
+        "whole@L40S": (4,), "prefill@L40S": (4,), "decode@A100": (0,)}
+    assert d.host_cores == (1, 2, 3, 5, 6, 7) and all(ln.host_cores == d.host_cores for ln in d.launches)
+    # every core computes: nothing is pinned
+    full = cpu_deployment(plan, 2, options, [9101, 9102, 9103], cores=2)
+    assert full.host_cores == () and all(ln.host_cores == () for ln in full.launches)

@@ -8,8 +8,10 @@ store: `StoreCleaner` removes only entries older than its maximum age, `new_stor
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -249,3 +251,24 @@ def test_new_store_is_a_fresh_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(kvstore, "SHM", tmp_path / "no-shm")
     store = new_store(tmp_path / "logs")
     assert store.parent == tmp_path / "logs" and store.is_dir()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin to one")
+def test_an_engine_starts_on_its_host_cores_and_pin_this_process_moves_every_thread(tmp_path):
+    cores = tuple(sorted(os.sched_getaffinity(0)))
+    ours = dataclasses.replace(launch("pinned", 1, code="import os; print(sorted(os.sched_getaffinity(0)))"),
+                               host_cores=cores[-1:])
+    anywhere = launch("free", 1, code="import os; print(sorted(os.sched_getaffinity(0)))")
+    for ln in (ours, anywhere):
+        p = process.EngineProcess(ln, tmp_path / f"{ln.engine.name}.log")
+        p.start()
+        assert p.proc.wait(30) == 0
+    assert (tmp_path / "pinned.log").read_text().splitlines()[-1] == str([cores[-1]])
+    assert (tmp_path / "free.log").read_text().splitlines()[-1] == str(list(cores))
+    # in a child of its own, so this test process keeps its cores
+    code = ("import os, threading, time; from tessera.engines.process import pin_this_process; "
+            "t = threading.Thread(target=time.sleep, args=(5,)); t.start(); "
+            f"pin_this_process(({cores[0]},)); "
+            "print(sorted({c for tid in os.listdir('/proc/self/task') for c in os.sched_getaffinity(int(tid))}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == str([cores[0]]), out.stderr

@@ -25,7 +25,7 @@ def serve_vllm(cfg, sock: socket.socket, url: str, api_key: str | None, max_body
     """Plan, start the vLLM engines behind the router listening on ``sock``; block until shut down. The router
     answers at once (/health 503 while the engines start); the exit code (1 when an engine cannot start)."""
     from tessera.engines.kvstore import StoreCleaner
-    from tessera.engines.process import Supervisor
+    from tessera.engines.process import Supervisor, pin_this_process
     from tessera.router.app import RouterOptions
     from tessera.router.launch import deployment_router, prepare_vllm
     from tessera.router.server import run_router
@@ -37,6 +37,10 @@ def serve_vllm(cfg, sock: socket.socket, url: str, api_key: str | None, max_body
         sock.close()
         _fail(e)
     deployment = prepared.deployment
+    if deployment.host_cores:
+        pin_this_process(deployment.host_cores)
+        say(f"router and engine schedulers on core(s) {','.join(map(str, deployment.host_cores))}; engines compute "
+            "on " + ", ".join(f"{ln.engine.name} {','.join(map(str, ln.placement.cores))}" for ln in deployment.launches))
     supervisor = Supervisor(list(deployment.launches), prepared.logs, say=say)
     try:
         router = deployment_router(deployment, RouterOptions(cfg.model, api_key, max_body_bytes, max_in_flight,

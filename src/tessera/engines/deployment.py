@@ -9,6 +9,7 @@ loopback ports. `tessera deploy` prints a GPU deployment; `tessera serve --engin
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ class Deployment:
     plan: DeploymentPlan
     launches: tuple[EngineLaunch, ...]
     routes: tuple[PlannedRoute, ...]
+    host_cores: tuple[int, ...] = ()  # cpu deployments: this host's cores no engine computes on (router, schedulers)
 
     def launch(self, name: str) -> EngineLaunch:
         """The launch of engine ``name``."""
@@ -97,7 +99,12 @@ def cpu_deployment(plan: DeploymentPlan, workers: int, options: VLLMOptions, por
         cpu = tuple(range(worker * per, worker * per + per)) if total >= workers else tuple(range(total))
         cpu = cpu[:threads] if threads else cpu
         launches.append(vllm_launch(engine, Placement(f"{HOST_ID}:{worker}", cores=cpu), port, options))
-    return Deployment(plan, tuple(launches), plan.layout.routes)
+    # The engines' compute workers bind to their cores; their API servers and schedulers (a busy loop) and
+    # the router would otherwise float onto those cores too and preempt the compute. Where cores are left
+    # over, they all start there instead.
+    host = tuple(sorted(set(range(total)) - {c for ln in launches for c in ln.placement.cores}))
+    launches = [dataclasses.replace(ln, host_cores=host) for ln in launches]
+    return Deployment(plan, tuple(launches), plan.layout.routes, host)
 
 
 def _cpu_index(target: str, workers: int) -> int:

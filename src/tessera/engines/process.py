@@ -50,6 +50,13 @@ class EngineStatus:
     since: float = field(default_factory=time.monotonic)
 
 
+def pin_this_process(cores: tuple[int, ...]) -> None:
+    """Run every thread of this process (and what it starts from now on) on ``cores`` only."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cores)
+
+
 class EngineProcess:
     """One engine's process (in a session of its own, output to ``log``)."""
 
@@ -63,8 +70,10 @@ class EngineProcess:
         with open(self.log, "ab") as out:
             out.write(f"\n=== tessera: starting {self.launch.engine.name}: {self.launch.shell()}\n".encode())
             out.flush()
+            cores = self.launch.host_cores
             self.proc = subprocess.Popen(list(self.launch.argv), env={**os.environ, **self.launch.env}, stdout=out,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
         return self.proc.pid
 
     @property

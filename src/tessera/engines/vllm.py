@@ -103,6 +103,9 @@ class EngineLaunch:
     port: int
     connector: str | None = None  # the KV connector, where the engine hands KV on or takes it
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # cpu deployments: the cores the engine's process starts on, so that its API server and scheduler stay off
+    # every engine's compute cores (its compute workers bind themselves to ``placement.cores``); () = any core
+    host_cores: tuple[int, ...] = ()
 
     @property
     def url(self) -> str:
