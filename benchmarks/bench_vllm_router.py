@@ -6,6 +6,8 @@ Deployments (smollm2-135m, each GPU target of a plan stood in for by one cpu wor
   router in front of it (the router's own cost: same engine, back to back);
 - ``vllm-1-core`` (only when asked for): the same on one core, the router on the other, as on a GPU host,
   where the engine's work is on the GPU and the router has host cores of its own;
+  for both, first 24 lone requests (one at a time, alternating between the engine and the router): the
+  router's own latency per request, which a burst's TTFT p50 (quantised by the engine's steps) cannot resolve;
 - ``request-dist``: two replicas, one core each, behind the router (planned for A100:1,L40S:1);
 - ``prefill-decode``: prefill engine and decode engine, one core each, KV handed over (planned for A100:1,L40S:1);
 - ``mix``: the route mix planned for A100:1,L40S:1 at --mix-min-gain 0 (whole on the L40S, prefill on the
@@ -104,6 +106,28 @@ def bench(url: str, workload: str) -> dict:
     return json.loads(r.stdout)
 
 
+def lone_ttft_pairs(direct: str, routed: str, n: int = 24, prompt_tokens: int = 64) -> list[tuple[float, float]]:
+    """(direct, via router) TTFT of ``n`` lone streamed requests, sent one at a time and alternating between the
+    engine and the router, so that the engine's drift falls on both alike: the router's own latency per request."""
+    payload = {"model": MODEL, "prompt": " ".join(["hello"] * prompt_tokens), "max_tokens": 4, "temperature": 0,
+               "stream": True}
+    pairs = []
+    with httpx.Client(timeout=120) as client:
+        for _ in range(n):
+            pair = []
+            for base in (direct, routed):
+                t0 = time.perf_counter()
+                with client.stream("POST", base + "/v1/completions", json=payload) as r:
+                    r.raise_for_status()
+                    first = None
+                    for line in r.iter_lines():  # the whole stream is read; the first token's time is kept
+                        if first is None and line.startswith("data:") and '"text"' in line:
+                            first = time.perf_counter() - t0
+                    pair.append(first)
+            pairs.append((pair[0], pair[1]))
+    return pairs
+
+
 def row(name: str, workload: str, s: dict) -> str:
     return (f"{name:<28} {workload:<36} {s['throughput']:>8.1f} {s['ttft_p50_s'] * 1e3:>10.0f} "
             f"{s['tpot_p50_s'] * 1e3:>9.1f} {s['completed']:>4}/{s['requests']}")
@@ -131,6 +155,16 @@ def main() -> None:
         try:
             engines = httpx.get(url + "/health", timeout=5).json().get("engines", {})
             bench(url, WARM_UP)  # an engine's first requests after start run slower (not recorded)
+            if name.startswith("vllm-1"):
+                (engine_url,) = [e["url"] for e in engines.values()]
+                pairs = lone_ttft_pairs(engine_url, url)
+                extra = sorted(r - d for d, r in pairs)
+                d50 = sorted(d for d, _ in pairs)[len(pairs) // 2]
+                print(f"router latency ({name}): lone requests (64-token prompts, one at a time, alternating), TTFT "
+                      f"direct p50 {d50 * 1e3:.1f} ms; router minus direct p50 {extra[len(extra) // 2] * 1e3:+.1f} ms, "
+                      f"p10 {extra[len(extra) // 10] * 1e3:+.1f} ms, p90 {extra[len(extra) * 9 // 10] * 1e3:+.1f} ms "
+                      f"({len(pairs)} pairs)", flush=True)
+                results.append({"deployment": f"{name} lone pairs", "workload": "lone", "pairs": pairs})
             for workload in workloads:
                 if name.startswith("vllm-1"):  # the same engine directly and through the router, alternating
                     (engine_url,) = [e["url"] for e in engines.values()]
