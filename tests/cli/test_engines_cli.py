@@ -21,7 +21,10 @@ def _run(*args: str):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["serve", "smollm2-135m", "--engine", "sglang"], "--engine must be tessera or vllm (got 'sglang')"),
-    (["serve", "smollm2-135m", "--plan", str(LLAMA_PLAN)], "--plan is an option of --engine vllm"),
+    (["serve", "smollm2-135m", "--plan", str(LLAMA_PLAN)], "is a plan for llama-3.1-8b, not for smollm2-135m"),
+    (["serve", "smollm2-135m", "--plan", str(LLAMA_PLAN), "--policy", "tessera"],
+     "--plan is a plan already made; --policy plans one now: give one of them"),
+    (["serve", "smollm2-135m", "--placement-for", "A100:1,L40S:1"], "--placement-for is an option of --engine vllm"),
     (["serve", "smollm2-135m", "--engine", "vllm", "--plan", str(LLAMA_PLAN), "--placement-for", "A100:1"],
      "give one"),
     (["serve", "smollm2-135m", "--engine", "vllm", "--policy", "fastest"], "unknown policy 'fastest'"),

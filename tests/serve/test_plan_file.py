@@ -1,0 +1,135 @@
+"""`tessera serve --plan FILE` on Tessera's own engine: a route mix's routes are engines on the shared workers
+(each with its own rows, requests dealt by the plan's shares, lanes taking whole turns on a shared worker);
+other policies' plans are served as one route, or one per request-dist replica; bad plan files and options
+are refused before serving, saying what to do."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from tessera.errors import TesseraError
+from tessera.serve.config import ServeConfig, ServeOptionError
+from tessera.serve.engine import GenerationParams
+from tessera.serve.lanes import Lane, lanes_of
+from tessera.serve.launch import start_engine
+from tessera.serve.plan_routes import load_served_plan, split_slots
+
+PLANS = Path(__file__).resolve().parents[1] / "fixtures" / "plans"
+MIX = PLANS / "smollm2-135m_A100_L40S_mix.json"  # 36% whole on the L40S, 64% prefilled on the L40S, decoded on the A100
+PIPELINE = PLANS / "smollm2-135m_A100_L40S_layer-pipeline.json"
+REPLICAS = PLANS / "smollm2-135m_A100_L40S_request-dist.json"
+MODEL = "smollm2-135m"
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at"]
+TOKENS = 6
+
+
+def _config(**kw) -> ServeConfig:
+    # GEMMs row by row: a request's greedy tokens cannot depend on the requests that share its steps
+    return ServeConfig(MODEL, kw.pop("cluster", "cpu:2"), slots=4, max_context=64, threads=1, window_s=3600.0,
+                       latency_rows=4, batch_invariant=True, **kw)
+
+
+def _serve_all(engine) -> list:
+    """Every prompt submitted at once; each one's generation when all are done."""
+    done: dict[int, tuple] = {}
+    finished = threading.Event()
+    gens = []
+    for i, text in enumerate(PROMPTS):
+        def sink(kind, payload, i=i):
+            if kind in ("done", "error"):
+                done[i] = (kind, payload)
+                if len(done) == len(PROMPTS):
+                    finished.set()
+
+        gens.append(engine.submit(engine.tokenizer(text).input_ids, GenerationParams(max_tokens=TOKENS), sink))
+    assert finished.wait(300) and set(done.values()) == {("done", "length")}, done
+    return gens
+
+
+@pytest.fixture(scope="module")
+def one_process() -> list[list[int]]:
+    """The prompts' greedy tokens served in one process (`--local`)."""
+    engine, _ = start_engine(_config(local=True))
+    try:
+        return [list(g.tokens) for g in _serve_all(engine)]
+    finally:
+        engine.stop()
+
+
+def test_a_route_mix_served_with_its_plan_gives_the_tokens_of_one_process(one_process):
+    cfg = _config(plan_file=str(MIX))
+    cfg.check()
+    engine, how = start_engine(cfg)
+    try:
+        assert "A100 -> cpu:0, L40S -> cpu:1" in how and "homogeneous (L40S): 2 slots" in how, how
+        # the whole-request route on the L40S's worker; the prefill-decode route prefills there and decodes on
+        # the A100's: its prefill lane takes turns with the whole route's lane on cpu:1
+        assert lanes_of(engine.placements, engine.objective) == [
+            Lane(frozenset({"r0/prefill", "r0/decode"}), frozenset({1})),
+            Lane(frozenset({"r1/prefill"}), frozenset({1})), Lane(frozenset({"r1/decode"}), frozenset({0}))]
+        gens = _serve_all(engine)
+        assert [list(g.tokens) for g in gens] == one_process
+        # dealt by the plan's shares (smooth round robin): 64% of 4 requests -> 3 on the prefill-decode route
+        assert [g.route for g in gens] == [1, 0, 1, 1]
+        busy = engine.backend.busy_s()
+        assert busy.get("cpu:0", 0) > 0 and busy.get("cpu:1", 0) > 0, busy
+    finally:
+        engine.stop()
+
+
+def test_a_layer_pipeline_plan_for_gpus_is_served_as_one_route_split_over_both_workers(one_process):
+    engine, how = start_engine(_config(plan_file=str(PIPELINE)))
+    try:
+        assert how.startswith(f"layer-pipeline plan from {PIPELINE}"), how
+        assert lanes_of(engine.placements, engine.objective) == [Lane(frozenset({"prefill", "decode"}),
+                                                                      frozenset({0, 1}))]
+        assert [list(g.tokens) for g in _serve_all(engine)] == one_process
+    finally:
+        engine.stop()
+
+
+def test_request_dist_replicas_are_routes_each_on_its_own_worker():
+    served = load_served_plan(REPLICAS, MODEL, 2)
+    assert [(r.name, round(r.share, 2), r.workers) for r in served.routes] == [
+        ("homogeneous (A100)", 0.6, {0}), ("homogeneous (L40S)", 0.4, {1})]
+
+
+def test_slots_are_divided_by_the_shares_each_route_at_least_one():
+    assert split_slots([0.36, 0.64], 4) == [2, 2]
+    assert split_slots([0.36, 0.64], 8) == [3, 5]
+    assert split_slots([0.01, 0.99], 2) == [1, 1]
+    assert sum(split_slots([0.2, 0.3, 0.5], 7)) == 7
+
+
+def _not_a_plan(tmp_path: Path) -> str:
+    path = tmp_path / "notes.json"
+    path.write_text(json.dumps({"model": MODEL, "steps": []}))
+    return str(path)
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"plan_file": str(PLANS / "llama-3.1-8b_A100_L40S.json")},
+     "is a plan for llama-3.1-8b, not for smollm2-135m"),
+    ({"plan_file": str(MIX), "cluster": "cpu:3"}, "has 2 targets (A100, L40S) and each runs on one cpu worker, but "
+                                                 "--cluster has 3 workers; use --cluster cpu:2"),
+    ({"plan_file": "NOT_A_PLAN"}, "not a Tessera plan of version"),
+    ({"plan_file": str(PLANS / "missing.json")}, "missing.json"),
+    ({"plan_file": str(MIX), "slots": 1}, "the plan has 2 routes, each an engine with rows of its own, but --slots "
+                                          "is 1; give --slots 2 or more"),
+    ({"plan_file": str(MIX), "latency_policy": "homogeneous"}, "--latency-policy places kernels otherwise"),
+    ({"plan_file": str(MIX), "placement": "alternate"}, "--placement places kernels otherwise"),
+    ({"plan_file": str(MIX), "local": True}, "--plan places kernels on workers: give one of them"),
+])
+def test_a_plan_that_cannot_be_served_is_refused_before_serving(tmp_path, kw, message):
+    if kw.get("plan_file") == "NOT_A_PLAN":
+        kw = {**kw, "plan_file": _not_a_plan(tmp_path)}
+    cfg = ServeConfig(MODEL, kw.pop("cluster", "cpu:2"), **{"slots": 4, **kw})
+    with pytest.raises(TesseraError) as e:
+        cfg.check()
+    assert message in str(e.value)
+    if "places kernels otherwise" in message or "give one of them" in message:
+        assert isinstance(e.value, ServeOptionError)
