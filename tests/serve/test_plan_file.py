@@ -60,6 +60,20 @@ def one_process() -> list[list[int]]:
         engine.stop()
 
 
+def _record_starts(engine) -> list[tuple[set[int], set[int]]]:
+    """Record, for every step the engine starts, its workers and the workers the steps in flight then hold."""
+    started: list[tuple[set[int], set[int]]] = []
+    start = engine.lanes.start
+
+    def recording(step):
+        held = {w for f in engine.lanes.inflight for w in f.lane.workers}
+        started.append((set(engine.placements.placements[engine._phase(step)]), held))
+        return start(step)
+
+    engine.lanes.start = recording
+    return started
+
+
 def test_a_route_mix_served_with_its_plan_gives_the_tokens_of_one_process(one_process):
     cfg = _config(plan_file=str(MIX))
     cfg.check()
@@ -71,8 +85,13 @@ def test_a_route_mix_served_with_its_plan_gives_the_tokens_of_one_process(one_pr
         assert lanes_of(engine.placements, engine.objective) == [
             Lane(frozenset({"r0/prefill", "r0/decode"}), frozenset({1})),
             Lane(frozenset({"r1/prefill"}), frozenset({1})), Lane(frozenset({"r1/decode"}), frozenset({0}))]
+        started = _record_starts(engine)
         gens = _serve_all(engine)
         assert [list(g.tokens) for g in gens] == one_process
+        # a step starts only on workers no step in flight holds (whole turns on cpu:1), and steps on disjoint
+        # workers were in flight at once (a decode on cpu:0 beside a step on cpu:1)
+        assert all(not workers & held for workers, held in started), started
+        assert any(held for _, held in started), started
         # dealt by the plan's shares (smooth round robin): 64% of 4 requests -> 3 on the prefill-decode route
         assert [g.route for g in gens] == [1, 0, 1, 1]
         busy = engine.backend.busy_s()
@@ -92,10 +111,20 @@ def test_a_layer_pipeline_plan_for_gpus_is_served_as_one_route_split_over_both_w
         engine.stop()
 
 
-def test_request_dist_replicas_are_routes_each_on_its_own_worker():
+def test_request_dist_replicas_are_routes_each_on_its_own_worker(one_process):
     served = load_served_plan(REPLICAS, MODEL, 2)
     assert [(r.name, round(r.share, 2), r.workers) for r in served.routes] == [
         ("homogeneous (A100)", 0.6, {0}), ("homogeneous (L40S)", 0.4, {1})]
+    engine, _ = start_engine(_config(plan_file=str(REPLICAS)))
+    try:  # two engines on disjoint workers: a lane each, both in flight at once
+        assert lanes_of(engine.placements, engine.objective) == [
+            Lane(frozenset({"r0/prefill", "r0/decode"}), frozenset({0})),
+            Lane(frozenset({"r1/prefill", "r1/decode"}), frozenset({1}))]
+        gens = _serve_all(engine)
+        assert [list(g.tokens) for g in gens] == one_process
+        assert [g.route for g in gens] == [0, 1, 0, 1]  # 60% / 40%
+    finally:
+        engine.stop()
 
 
 def test_slots_are_divided_by_the_shares_each_route_at_least_one():
