@@ -39,7 +39,8 @@ def _run(*args: str):
     (["route", str(LLAMA_PLAN), "--engine-url", "x=http://h:1", "--kv-connector", "rdma"], "--kv-connector must be"),
     (["serve", "smollm2-135m", "--engine", "vllm", "--shares", "fastest"],
      "--shares must be one of auto, throughput, latency (got 'fastest')"),
-    (["serve", "smollm2-135m", "--shares", "latency"], "--shares is an option of --engine vllm"),
+    (["serve", "smollm2-135m", "--shares", "latency"], "--shares deals requests among a plan file's routes: give "
+                                                        "--plan FILE"),
     (["route", str(LLAMA_PLAN), "--shares", "latency", "--engine-url", "whole@L40S=http://h:1", "--engine-url",
       "prefill@L40S=http://h:2", "--engine-url", "decode@A100=http://h:3"],
      "--shares latency: the plan's routes do not say their latency"),

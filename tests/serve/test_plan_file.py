@@ -13,6 +13,7 @@ import pytest
 
 from tessera.errors import TesseraError
 from tessera.serve.config import ServeConfig, ServeOptionError
+from tessera.serve.dealing import DealtRoute, RouteDealer
 from tessera.serve.engine import GenerationParams
 from tessera.serve.lanes import Lane, lanes_of
 from tessera.serve.launch import start_engine
@@ -92,8 +93,9 @@ def test_a_route_mix_served_with_its_plan_gives_the_tokens_of_one_process(one_pr
         # workers were in flight at once (a decode on cpu:0 beside a step on cpu:1)
         assert all(not workers & held for workers, held in started), started
         assert any(held for _, held in started), started
-        # dealt by the plan's shares (smooth round robin): 64% of 4 requests -> 3 on the prefill-decode route
-        assert [g.route for g in gens] == [1, 0, 1, 1]
+        # dealt as the router deals (--shares auto): the fastest route (prefill-decode) until the requests in
+        # flight fill its 2 slots, then the plan's shares (64% / 36%, smooth round robin)
+        assert [g.route for g in gens] == [1, 1, 1, 0]
         busy = engine.backend.busy_s()
         assert busy.get("cpu:0", 0) > 0 and busy.get("cpu:1", 0) > 0, busy
     finally:
@@ -122,9 +124,25 @@ def test_request_dist_replicas_are_routes_each_on_its_own_worker(one_process):
             Lane(frozenset({"r1/prefill", "r1/decode"}), frozenset({1}))]
         gens = _serve_all(engine)
         assert [list(g.tokens) for g in gens] == one_process
-        assert [g.route for g in gens] == [0, 1, 0, 1]  # 60% / 40%
+        # the faster A100 replica until its 2 slots are full, then 60% / 40%
+        assert [g.route for g in gens] == [0, 0, 0, 1]
     finally:
         engine.stop()
+
+
+def test_requests_are_dealt_as_the_router_deals_them():
+    routes = [DealtRoute(0.36, 0.014, 3), DealtRoute(0.64, 0.009, 5)]  # the mix at 8 slots: r1 is the fastest
+    now = [0.0]
+    auto = RouteDealer(routes, "auto", cooldown_s=1.0, clock=lambda: now[0])
+    assert [auto.pick(n) for n in range(5)] == [1] * 5 and auto.mode == "latency"
+    assert [auto.pick(n) for n in (5, 6, 7, 8)] == [1, 0, 1, 1] and auto.mode == "throughput"
+    assert auto.pick(1) == 0 and auto.mode == "throughput"  # within the cool-down: the shares go on
+    now[0] = 2.0
+    assert auto.pick(3) == 1 and auto.mode == "latency"  # below 0.8 x 5 in flight, after the cool-down
+    through = RouteDealer(routes, "throughput")
+    assert [through.pick(0) for _ in range(25)].count(0) == 9  # 36% of 25
+    assert {RouteDealer(routes, "latency").pick(100) for _ in range(5)} == {1}
+    assert RouteDealer([DealtRoute(1.0, None, 4)], "auto").pick(7) == 0
 
 
 def test_slots_are_divided_by_the_shares_each_route_at_least_one():
@@ -152,13 +170,19 @@ def _not_a_plan(tmp_path: Path) -> str:
     ({"plan_file": str(MIX), "latency_policy": "homogeneous"}, "--latency-policy places kernels otherwise"),
     ({"plan_file": str(MIX), "placement": "alternate"}, "--placement places kernels otherwise"),
     ({"plan_file": str(MIX), "local": True}, "--plan places kernels on workers: give one of them"),
+    ({"plan_file": str(MIX), "shares": "fastest"}, "--shares must be one of auto, throughput, latency (got 'fastest')"),
+    ({"plan_file": str(REPLICAS), "shares": "latency", "slots": 2}, None),
+    ({"shares": "throughput"}, "--shares deals requests among a plan file's routes: give --plan FILE"),
 ])
 def test_a_plan_that_cannot_be_served_is_refused_before_serving(tmp_path, kw, message):
     if kw.get("plan_file") == "NOT_A_PLAN":
         kw = {**kw, "plan_file": _not_a_plan(tmp_path)}
     cfg = ServeConfig(MODEL, kw.pop("cluster", "cpu:2"), **{"slots": 4, **kw})
+    if message is None:  # a good one among them: the check passes
+        cfg.check()
+        return
     with pytest.raises(TesseraError) as e:
         cfg.check()
     assert message in str(e.value)
-    if "places kernels otherwise" in message or "give one of them" in message:
+    if "places kernels otherwise" in message or "give one of them" in message or "--shares" in message:
         assert isinstance(e.value, ServeOptionError)

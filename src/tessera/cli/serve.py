@@ -90,9 +90,10 @@ def serve(
                                        "worker, GiB."),
     max_in_flight: int = typer.Option(512, "--max-in-flight", help="--engine vllm: requests the router forwards at "
                                       "once (429 with Retry-After beyond)."),
-    shares: str = typer.Option(None, "--shares", help="--engine vllm: the router's route shares: auto (all on the "
-                               "plan's fastest route until its engine is full, then the plan's shares; the default) | "
-                               "throughput (the plan's) | latency."),
+    shares: str = typer.Option(None, "--shares", help="How requests take the plan's routes (--engine vllm: the "
+                               "router's; --engine tessera: with --plan): auto (all on the plan's fastest route "
+                               "until its engine is full, then the plan's shares; the default) | throughput (the "
+                               "plan's) | latency."),
     log_dir: Path = typer.Option(None, "--log-dir", help="--engine vllm: the engines' logs (default: a new temporary "
                                  "folder, named at start)."),
 ) -> None:
@@ -116,8 +117,7 @@ def serve(
     try:
         if engine != "tessera":
             raise ServeOptionError(f"--engine must be tessera or vllm (got {engine!r})")
-        for name, given in (("--placement-for", placement_for), ("--mix-min-gain", mix_min_gain),
-                            ("--shares", shares)):
+        for name, given in (("--placement-for", placement_for), ("--mix-min-gain", mix_min_gain)):
             if given is not None:
                 raise ServeOptionError(f"{name} is an option of --engine vllm; `tessera serve --engine tessera` "
                                        "plans --policy for its cpu workers itself, or serves a plan file (--plan)")
@@ -129,7 +129,8 @@ def serve(
                           beta=beta, window_s=window_ms / 1000, cooldown_s=cooldown_s, local=local,
                           batch_invariant=batch_invariant, on_failure=on_failure, max_queue=max_queue,
                           transfer_timeout_s=transfer_timeout,
-                          queue_timeout_s=queue_timeout, plan_file=str(plan_file) if plan_file else None)
+                          queue_timeout_s=queue_timeout, plan_file=str(plan_file) if plan_file else None,
+                          shares=shares or "auto")
         cfg.check()
         from tessera.capture.models import resolve_model
 

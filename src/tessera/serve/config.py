@@ -81,6 +81,7 @@ class ServeConfig:
     # a plan file (`tessera plan -o`) to serve instead of planning ``policy``: its routes, on these workers (a
     # plan for GPUs: its target i on worker cpu:i); ``policy`` is then only what a lost worker re-plans
     plan_file: str | None = None
+    shares: str = "auto"  # how a plan file's routes take requests (tessera.serve.dealing): auto | throughput | latency
 
     def check(self) -> None:
         """Raise `ServeOptionError` (or the policy's own error) for an option that cannot work."""
@@ -126,8 +127,15 @@ class ServeConfig:
         if self.local and self.placement is not None:
             raise ServeOptionError("--local runs every step in this process; --placement places kernels on "
                                    "workers: give one of them")
+        from tessera.plan.shares import SHARE_MODES
+
+        if self.shares not in SHARE_MODES:
+            raise ServeOptionError(f"--shares must be one of {', '.join(SHARE_MODES)} (got {self.shares!r})")
         if self.plan_file is not None:
             self._check_plan(len(cluster.devices))
+        elif self.shares != "auto":
+            raise ServeOptionError("--shares deals requests among a plan file's routes: give --plan FILE (or serve "
+                                   "with --engine vllm)")
 
     def _check_plan(self, workers: int) -> None:
         """The plan file served: options that would place kernels otherwise conflict with it, and the file
@@ -139,7 +147,10 @@ class ServeConfig:
         if self.local:
             raise ServeOptionError("--local runs every step in this process (the single-process reference); --plan "
                                    "places kernels on workers: give one of them")
+        from tessera.serve.dealing import DealtRoute, RouteDealer
         from tessera.serve.plan_routes import load_served_plan, split_slots
 
         served = load_served_plan(self.plan_file, self.model, workers)
-        split_slots([r.share for r in served.routes], self.slots)
+        slots = split_slots([r.share for r in served.routes], self.slots)
+        RouteDealer([DealtRoute(r.share, r.latency_s, n) for r, n in zip(served.routes, slots, strict=True)],
+                    self.shares)  # ShareSwitchError: a mode the plan's routes cannot take

@@ -161,6 +161,7 @@ class RouteSpec:
     slots: int
     buckets: Buckets
     share: float = 1.0
+    latency_s: float | None = None  # its planned request latency (None: not known)
 
 
 @dataclass
@@ -191,17 +192,17 @@ class Engine:
 
     With ``routes`` (a plan's routes: a route mix, request-dist's replicas) the engine serves several engines
     on one backend and one KV cache: each route has its own scheduler over its own rows (in route order), its
-    bucket phases prefixed ``r{i}/`` in the placements, and its own lanes; requests are dealt to the routes by
-    their shares (smooth weighted round robin, `tessera.plan.shares.SmoothRoundRobin`), and the steps of
-    routes whose lanes share a worker take whole turns (see `tessera.serve.lanes`)."""
+    bucket phases prefixed ``r{i}/`` in the placements, and its own lanes; requests are dealt to the routes as
+    the router deals them (``shares``: auto, throughput or latency, see `tessera.serve.dealing`), and the steps
+    of routes whose lanes share a worker take whole turns (see `tessera.serve.lanes`)."""
 
     def __init__(self, backend: StepBackend, placements: ObjectivePlacements, tokenizer, slots: int,
                  buckets: Buckets, max_context: int, monitor: Monitor | None = None,
                  log: Callable[[str], None] | None = None, clock: Callable[[], float] = time.perf_counter,
                  latency_rows: int | None = None, max_queued: int | None = None,
                  queue_timeout_s: float | None = None, respawn: bool = False,
-                 routes: list[RouteSpec] | None = None):
-        from tessera.plan.shares import SmoothRoundRobin
+                 routes: list[RouteSpec] | None = None, shares: str = "auto", share_cooldown_s: float = 1.0):
+        from tessera.serve.dealing import DealtRoute, RouteDealer
 
         self.backend = backend
         self.placements = placements
@@ -217,7 +218,8 @@ class Engine:
                                            sum(r.slots for r in specs[:i]), route_prefix(i, len(specs))))
         self.scheduler = self.routes[0].scheduler  # an engine of one route: its scheduler
         self.slots = slots
-        self._dealer = SmoothRoundRobin()
+        self.dealer = RouteDealer([DealtRoute(r.share, r.latency_s, r.slots) for r in specs], shares,
+                                  share_cooldown_s, clock)
         self.max_context = max_context
         # the latency plan serves the low-load bucket: at most this many requests in flight while it is active
         self.rows = {"latency": min(slots, latency_rows or slots), "throughput": slots}
@@ -271,10 +273,11 @@ class Engine:
         return self.routes[gen.route]
 
     def _deal(self) -> int:
-        """The route the next request takes: by the routes' shares (one route: that one)."""
+        """The route the next request takes (one route: that one), by the requests queued and in flight."""
         if len(self.routes) == 1:
             return 0
-        return self._dealer.pick({i: r.spec.share for i, r in enumerate(self.routes)}, tie=lambda i: i)
+        queued, running = self.queue_depth()
+        return self.dealer.pick(queued + running)
 
     def _backend_event(self, kind: str, detail: str) -> None:
         """The backend lost a worker ("recovering") or finished re-planning onto the survivors ("recovered")."""

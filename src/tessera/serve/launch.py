@@ -117,7 +117,7 @@ def planned_routes(cfg: ServeConfig, workers: int, log: Callable[[str], None]
 
     served = load_served_plan(cfg.plan_file, cfg.model, workers)
     slots = split_slots([r.share for r in served.routes], cfg.slots)
-    specs = [RouteSpec(r.name, n, Buckets.default(n, cfg.max_context, cfg.min_prompt_bucket), r.share)
+    specs = [RouteSpec(r.name, n, Buckets.default(n, cfg.max_context, cfg.min_prompt_bucket), r.share, r.latency_s)
              for r, n in zip(served.routes, slots, strict=True)]
     names: list[list[str]] = []
     prompts: set[tuple[int, int]] = set()
@@ -198,7 +198,8 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
                       enabled=placements.differ or cfg.latency_rows < cfg.slots)
     engine = Engine(backend, placements, tokenizer, cfg.slots, buckets, cfg.max_context, monitor, log,
                     latency_rows=cfg.latency_rows, max_queued=cfg.max_queue, queue_timeout_s=cfg.queue_timeout_s,
-                    respawn=cfg.on_failure == "respawn", routes=routes)
+                    respawn=cfg.on_failure == "respawn", routes=routes, shares=cfg.shares,
+                    share_cooldown_s=cfg.cooldown_s)
     lost = [] if cfg.local else [pool.devices[w] for w in sorted(pool.lost)]
     if lost:  # serving on the workers that started: /health says so
         engine.status, engine.degraded = "degraded", f"lost {', '.join(lost)} while starting"

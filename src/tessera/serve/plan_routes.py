@@ -32,6 +32,7 @@ class ServedRoute:
     name: str
     share: float
     assignments: dict[str, dict[str, list[int]]]  # objective -> phase -> kernel -> worker
+    latency_s: float | None = None  # its planned request latency
 
     @property
     def workers(self) -> set[int]:
@@ -78,7 +79,7 @@ def load_served_plan(path: str | Path, model: str, workers: int) -> ServedPlan:
         assignments = {o: _assignments(parts[k], worker_of, source) for o, parts in by_objective.items()}
         for r in range(part.replicas):
             name = part.name + (f"#{r}" if part.replicas > 1 else "")
-            routes.append(ServedRoute(name, part.share / part.replicas, assignments))
+            routes.append(ServedRoute(name, part.share / part.replicas, assignments, part.latency_s))
     if not routes:
         raise PlanFileError(f"{source} ({plan.policy}) has no engines to serve")
     where = f", its targets on stand-in workers {mapping.describe()}" if mapping is not None else ""
