@@ -130,6 +130,26 @@ def test_request_dist_replicas_are_routes_each_on_its_own_worker(one_process):
         engine.stop()
 
 
+def test_a_plan_for_the_cpu_workers_themselves_runs_each_target_on_its_worker(tmp_path):
+    from typer.testing import CliRunner
+
+    from tessera.cli.main import app
+    from tessera.plan.deployment import PlanFileError
+
+    path = tmp_path / "cpu-prefill-decode.json"
+    result = CliRunner().invoke(app, ["plan", MODEL, "--cluster", "cpu:2", "--policy", "prefill-decode", "-o",
+                                      str(path)])
+    assert result.exit_code == 0, result.output
+    served = load_served_plan(path, MODEL, 2)
+    assert len(served.routes) == 1 and "stand-in" not in served.how
+    placed = served.routes[0].assignments["throughput"]
+    assert {len(set(placed["prefill"])), len(set(placed["decode"]))} == {1}  # each phase whole on one worker
+    assert set(placed["prefill"]) | set(placed["decode"]) == {0, 1}
+    with pytest.raises(PlanFileError, match=r"places kernels on cpu:., but --cluster has 1 worker; use --cluster "
+                                            r"cpu:2"):
+        load_served_plan(path, MODEL, 1)
+
+
 def test_requests_are_dealt_as_the_router_deals_them():
     routes = [DealtRoute(0.36, 0.014, 3), DealtRoute(0.64, 0.009, 5)]  # the mix at 8 slots: r1 is the fastest
     now = [0.0]
