@@ -21,7 +21,10 @@ def _run(*args: str):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["serve", "smollm2-135m", "--engine", "sglang"], "--engine must be tessera or vllm (got 'sglang')"),
-    (["serve", "smollm2-135m", "--plan", str(LLAMA_PLAN)], "--plan is an option of --engine vllm"),
+    (["serve", "smollm2-135m", "--plan", str(LLAMA_PLAN)], "is a plan for llama-3.1-8b, not for smollm2-135m"),
+    (["serve", "smollm2-135m", "--plan", str(LLAMA_PLAN), "--policy", "tessera"],
+     "--plan is a plan already made; --policy plans one now: give one of them"),
+    (["serve", "smollm2-135m", "--placement-for", "A100:1,L40S:1"], "--placement-for is an option of --engine vllm"),
     (["serve", "smollm2-135m", "--engine", "vllm", "--plan", str(LLAMA_PLAN), "--placement-for", "A100:1"],
      "give one"),
     (["serve", "smollm2-135m", "--engine", "vllm", "--policy", "fastest"], "unknown policy 'fastest'"),
@@ -36,7 +39,8 @@ def _run(*args: str):
     (["route", str(LLAMA_PLAN), "--engine-url", "x=http://h:1", "--kv-connector", "rdma"], "--kv-connector must be"),
     (["serve", "smollm2-135m", "--engine", "vllm", "--shares", "fastest"],
      "--shares must be one of auto, throughput, latency (got 'fastest')"),
-    (["serve", "smollm2-135m", "--shares", "latency"], "--shares is an option of --engine vllm"),
+    (["serve", "smollm2-135m", "--shares", "latency"], "--shares deals requests among a plan file's routes: give "
+                                                        "--plan FILE"),
     (["route", str(LLAMA_PLAN), "--shares", "latency", "--engine-url", "whole@L40S=http://h:1", "--engine-url",
       "prefill@L40S=http://h:2", "--engine-url", "decode@A100=http://h:3"],
      "--shares latency: the plan's routes do not say their latency"),

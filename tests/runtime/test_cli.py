@@ -69,6 +69,23 @@ def test_run_follows_a_plan_file(plan_file):
     assert result.stdout.startswith(" Paris")
 
 
+def test_run_follows_a_route_mix_along_the_route_its_shares_send_a_first_request_to():
+    """The mix of the fixtures (written by `tessera plan` at its serving workload, for A100 + L40S): the one
+    request takes the prefill-decode route (64% of requests), prefilled on the L40S's stand-in worker and
+    decoded on the A100's, and its tokens equal one process's."""
+    from pathlib import Path
+
+    mix = Path(__file__).resolve().parents[1] / "fixtures" / "plans" / "smollm2-135m_A100_L40S_mix.json"
+    result = _run("--cluster", "cpu:2", "--prompt", PROMPT, "--max-tokens", "4", "--plan", str(mix), "--check")
+    assert result.exit_code == 0, result.output
+    err = " ".join(result.stderr.split())
+    assert "route mix, the one request takes route prefill-decode (64% of requests" in err, err
+    assert "not run: homogeneous (L40S) 36%" in err and "A100 -> cpu:0, L40S -> cpu:1" in err
+    assert "prefill: 304 kernels (304 on cpu:1)" in err and "decode: 304 kernels (304 on cpu:0)" in err
+    assert result.stdout.startswith(" Paris")
+    assert "check: the 4 tokens are identical" in result.stderr
+
+
 def _run_error(*args: str) -> str:
     result = CliRunner().invoke(app, ["run", "smollm2-135m", *args])
     assert result.exit_code == 2, result.output

@@ -5,6 +5,8 @@ count, cpu clusters, request-dist replicas, options that do not combine)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -151,17 +153,11 @@ def test_a_request_dist_plan_with_replicas_is_refused(tiny, tmp_path):
         plan_file_placement(path, graphs, 2, model, NEW)
 
 
-def test_a_route_mix_plan_file_is_refused(tiny, tmp_path):
+def test_a_route_mix_for_another_model_is_refused(tiny):
     model, graphs, _, _ = tiny
-    pctx = runtime_context(model, 2, PROMPT, NEW, CTX, cluster=PAIR)
-    plan = plan_policy(pctx, "prefill-decode")
-    plan.policy, plan.reason = "tessera", "one engine: 90% of requests on prefill-decode, 10% on homogeneous (A100)"
-    plan.extra["routes"] = [{"policy": "prefill-decode", "engine": 0}, {"policy": "homogeneous", "engine": 0}]
-    path = tmp_path / "mix.json"
-    plan.save(path)
-    with pytest.raises(PlanFileError, match=r"is a route mix \(one engine: 90% of requests.*\); the runtime runs one "
-                                            "placement of each phase"):
-        plan_file_placement(path, graphs, 2, model, NEW)
+    mix = Path(__file__).resolve().parents[1] / "fixtures" / "plans" / "smollm2-135m_A100_L40S_mix.json"
+    with pytest.raises(PlanFileError, match=f"is a plan for smollm2-135m, not for {model}"):
+        plan_file_placement(mix, graphs, 2, model, NEW)
 
 
 @pytest.mark.parametrize("change,message", [

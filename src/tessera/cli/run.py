@@ -29,7 +29,8 @@ def run(
     prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt to continue."),
     max_tokens: int = typer.Option(_RUN.max_tokens, "--max-tokens", "-n", help="Most new tokens."),
     plan_file: Path = typer.Option(None, "--plan", help="A plan file from `tessera plan ... --ctx C -o FILE` made "
-                                   "for this prompt's shapes."),
+                                   "for this prompt's shapes; a route mix (from any `tessera plan`) runs the route "
+                                   "its shares send a first request to."),
     policy: str = typer.Option(None, "--policy", help="Plan this policy for the run (default tessera), with this "
                                "host's measured kernel times."),
     placement: str = typer.Option(None, "--placement", help="alternate | random: a synthetic placement (stress "

@@ -29,9 +29,9 @@ def serve(
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port)."),
     api_key: str = typer.Option(None, "--api-key", envvar="TESSERA_API_KEY",
                                 help="Require 'Authorization: Bearer KEY' on /v1 requests."),
-    policy: str = typer.Option(_SERVE.policy, "--policy", help="The policy planned (with this host's measured kernel "
+    policy: str = typer.Option(None, "--policy", help="The policy planned (with this host's measured kernel "
                                "times) for both objectives: homogeneous | request-dist | prefill-decode | "
-                               "attention-ffn | layer-pipeline | tessera."),
+                               "attention-ffn | layer-pipeline | tessera (the default)."),
     latency_policy: str = typer.Option(None, "--latency-policy", help="Another policy for the latency objective "
                                        "(default: --policy's own latency step plans)."),
     placement: str = typer.Option(None, "--placement", help="alternate | random: a synthetic placement for both "
@@ -72,8 +72,9 @@ def serve(
                                         "most (503 beyond)."),
     engine: str = typer.Option("tessera", "--engine", help="tessera: Tessera's own kernel-level runtime on cpu "
                                "workers | vllm: one vLLM server per engine of the plan, Tessera's router in front."),
-    plan_file: Path = typer.Option(None, "--plan", help="--engine vllm: serve this plan file (`tessera plan -o`), "
-                                   "made for --cluster or, with cpu workers standing in, for a GPU cluster."),
+    plan_file: Path = typer.Option(None, "--plan", help="Serve this plan file (`tessera plan -o`; route mixes "
+                                   "included) instead of planning --policy, made for --cluster or, with cpu workers "
+                                   "standing in (target i on cpu:i), for a GPU cluster."),
     placement_for: str = typer.Option(None, "--placement-for", help="--engine vllm: plan --policy for this GPU "
                                       "cluster (e.g. A100:1,L40S:1), each of its targets on one cpu worker."),
     mix_min_gain: float = typer.Option(None, "--mix-min-gain", help="--engine vllm with --policy tessera: adopt a "
@@ -89,9 +90,10 @@ def serve(
                                        "worker, GiB."),
     max_in_flight: int = typer.Option(512, "--max-in-flight", help="--engine vllm: requests the router forwards at "
                                       "once (429 with Retry-After beyond)."),
-    shares: str = typer.Option(None, "--shares", help="--engine vllm: the router's route shares: auto (all on the "
-                               "plan's fastest route until its engine is full, then the plan's shares; the default) | "
-                               "throughput (the plan's) | latency."),
+    shares: str = typer.Option(None, "--shares", help="How requests take the plan's routes (--engine vllm: the "
+                               "router's; --engine tessera: with --plan): auto (all on the plan's fastest route "
+                               "until its engine is full, then the plan's shares; the default) | throughput (the "
+                               "plan's) | latency."),
     log_dir: Path = typer.Option(None, "--log-dir", help="--engine vllm: the engines' logs (default: a new temporary "
                                  "folder, named at start)."),
 ) -> None:
@@ -105,7 +107,7 @@ def serve(
     say = lambda text: _err.print(f"[dim]{text}[/]", highlight=False)  # noqa: E731
     limits = HTTPLimits(header_timeout, body_timeout, max_connections)
     if engine == "vllm":
-        code = _serve_vllm(model, cluster, policy, plan_file, placement_for, mix_min_gain, vllm_python,
+        code = _serve_vllm(model, cluster, policy or _SERVE.policy, plan_file, placement_for, mix_min_gain, vllm_python,
                            max_context, enforce_eager, prefix_caching, kv_cache_gib, log_dir, host, port, api_key,
                            max_body_bytes, max_in_flight, limits, shutdown_timeout, threads, shares or "auto",
                            cooldown_s)
@@ -115,18 +117,20 @@ def serve(
     try:
         if engine != "tessera":
             raise ServeOptionError(f"--engine must be tessera or vllm (got {engine!r})")
-        for name, given in (("--plan", plan_file), ("--placement-for", placement_for),
-                            ("--mix-min-gain", mix_min_gain), ("--shares", shares)):
+        for name, given in (("--placement-for", placement_for), ("--mix-min-gain", mix_min_gain)):
             if given is not None:
                 raise ServeOptionError(f"{name} is an option of --engine vllm; `tessera serve --engine tessera` "
-                                       "plans --policy for its cpu workers itself")
+                                       "plans --policy for its cpu workers itself, or serves a plan file (--plan)")
+        if plan_file is not None and policy is not None:
+            raise ServeOptionError("--plan is a plan already made; --policy plans one now: give one of them")
         limits.check()
-        cfg = ServeConfig(model, cluster, slots=slots, max_context=max_context, policy=policy,
+        cfg = ServeConfig(model, cluster, slots=slots, max_context=max_context, policy=policy or _SERVE.policy,
                           latency_policy=latency_policy, placement=placement, seed=seed, threads=threads,
                           beta=beta, window_s=window_ms / 1000, cooldown_s=cooldown_s, local=local,
                           batch_invariant=batch_invariant, on_failure=on_failure, max_queue=max_queue,
                           transfer_timeout_s=transfer_timeout,
-                          queue_timeout_s=queue_timeout)
+                          queue_timeout_s=queue_timeout, plan_file=str(plan_file) if plan_file else None,
+                          shares=shares or "auto")
         cfg.check()
         from tessera.capture.models import resolve_model
 

@@ -180,17 +180,68 @@ def synthetic(graphs: dict[str, KernelGraph], workers: int, kind: str, seed: int
 def plan_file_placement(path: Path, graphs: dict[str, KernelGraph], workers: int, model: str, max_tokens: int,
                         profile=None, log: Callable[[str], None] = lambda s: None) -> RunPlacement:
     """The placement of a plan file (checked against the graphs; a plan for GPUs runs its target i on worker
-    cpu:i); re-planning falls back to ``tessera`` for the workers."""
+    cpu:i; a route mix runs the route its shares send the first request to, see `mix_route_placement`);
+    re-planning falls back to ``tessera`` for the workers."""
     plan = DeploymentPlan.load(path)
     mapping = plan_target_map(plan.targets, plan.cluster, workers, f"plan file {path} ({plan.policy})")
-    placements, mbs = placements_from_plan(plan, graphs, workers, f"plan file {path}",
-                                           mapping.worker_of if mapping else None)
+    if plan.extra.get("routes"):
+        placements, mbs, route = mix_route_placement(plan, graphs, workers, model, f"plan file {path}",
+                                                     mapping.worker_of if mapping else None)
+    else:
+        placements, mbs = placements_from_plan(plan, graphs, workers, f"plan file {path}",
+                                               mapping.worker_of if mapping else None)
+        route = ""
 
     def replan(n: int) -> dict[str, list[int]]:
         return policy_placement(model, graphs, n, "tessera", max_tokens, profile, log=log).placements
 
-    how = f"{plan.policy} plan from {path}" + (f", run on stand-in workers {mapping.describe()}" if mapping else "")
+    how = (f"{plan.policy} plan from {path}{route}"
+           + (f", run on stand-in workers {mapping.describe()}" if mapping else ""))
     return RunPlacement(placements, mbs, how, replan, plan)
+
+
+def mix_route_placement(plan: DeploymentPlan, graphs: dict[str, KernelGraph], workers: int, model: str,
+                        source: str, worker_of: dict[str, int] | None = None
+                        ) -> tuple[dict[str, list[int]], dict[str, int], str]:
+    """A route mix run as one request: the placement of the route its shares send the first request to (the
+    largest share, by the router's smooth round robin), each phase's kernels placed by their index (a mix is
+    planned at serving shapes, never at a run's: the route's graphs have the same kernels as the run's), with
+    what was chosen (``: the request takes route ...``).
+
+    Raises:
+        PlanFileError: a plan for another model or kernel count, a route without a phase's step plan, or one
+            that splits MoE experts or needs more workers than there are.
+    """
+    from tessera.plan.engines import engine_parts
+    from tessera.plan.shares import SmoothRoundRobin
+
+    if not plan.applicable or not plan.feasible:
+        raise PlanFileError(f"{source} ({plan.policy}) is not a runnable plan: {plan.reason}")
+    if plan.model != model:
+        raise PlanFileError(f"{source} is a plan for {plan.model}, not for {model}: run {plan.model} with it, or plan "
+                            f"{model}")
+    parts = engine_parts(plan)
+    part = parts[SmoothRoundRobin().pick({i: p.share for i, p in enumerate(parts)}, tie=lambda i: i)]
+    out, mbs = {}, {}
+    for phase, g in graphs.items():
+        step = next((s for s in part.steps if s.phase == phase), None)
+        if step is None:
+            raise PlanFileError(f"{source}: route {part.name} has no {phase} step plan")
+        if step.expert_parts:
+            raise PlanFileError(f"{source} splits MoE expert GEMMs over devices ({len(step.expert_parts)} kernels), "
+                                "which the runtime does not execute yet; plan with --no-expert-split")
+        if len(step.assignment) != len(g.kernels):
+            raise PlanFileError(f"{source}: route {part.name}'s {phase} step places {len(step.assignment)} kernels, "
+                                f"but the run's {phase} graph has {len(g.kernels)}: plan again for this model")
+        names = [part.targets[a] for a in step.assignment]
+        placed = [worker_of[n] for n in names] if worker_of is not None else [int(n.split(":")[1]) for n in names]
+        if max(placed) + 1 > workers:
+            raise PlanFileError(f"{source} places kernels on {max(placed) + 1} devices but the cluster has {workers} "
+                                f"workers; run it on a cluster with at least {max(placed) + 1}")
+        out[phase], mbs[phase] = placed, 1  # one request: no micro-batches
+    others = ", ".join(f"{p.name} {p.share:.0%}" for p in parts if p is not part)
+    return out, mbs, (f": route mix, the one request takes route {part.name} ({part.share:.0%} of requests, the route "
+                      f"its shares send a first request to; not run: {others})")
 
 
 def placement_for(model: str, graphs: dict[str, KernelGraph], workers: int, cluster: str, policy: str,

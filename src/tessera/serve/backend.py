@@ -98,6 +98,46 @@ def objective_placements(graphs: dict[str, KernelGraph], assignments: dict[str, 
     return ObjectivePlacements(placements, phases, differ)
 
 
+def bucket_of(runtime_phase: str) -> str:
+    """The bucket graph a runtime phase runs: ``decode@8:latency`` or ``decode@8#1`` -> ``decode@8``."""
+    return runtime_phase.split(":")[0].split("#")[0]
+
+
+def route_placements(graphs: dict[str, KernelGraph],
+                     routes: list[tuple[str, list[str], dict[str, dict[str, list[int]]]]]) -> ObjectivePlacements:
+    """The placements of an engine of several routes: for each route (its phase prefix, the bucket graphs it
+    serves, and per objective each phase's kernel -> worker) every bucket placed as its phase; bucket phases
+    are named with the route's prefix, and a bucket placed alike by several routes or objectives runs as one
+    runtime phase (``decode@8``; others ``decode@8#1``, ...).
+
+    Raises:
+        ServeSetupError: a phase's placement has another kernel count than the bucket graphs.
+    """
+    placements: dict[str, list[int]] = {}
+    named: dict[tuple[str, tuple[int, ...]], str] = {}
+    phases: dict[str, dict[str, str]] = {o: {} for o in OBJECTIVES}
+    differ = False
+    for prefix, buckets, assignments in routes:
+        for name in buckets:
+            graph, base = graphs[name], name.split("@")[0]
+            chosen = {}
+            for objective in OBJECTIVES:
+                a = assignments[objective][base]
+                if len(a) != len(graph.kernels):
+                    raise ServeSetupError(f"the plan places {len(a)} kernels of {base}, but bucket {name} of the "
+                                          f"served model has {len(graph.kernels)}: the plan is for another version "
+                                          "of the model; plan again")
+                key = (name, tuple(a))
+                if key not in named:
+                    taken = sum(1 for n, _ in named if n == name)
+                    named[key] = name if not taken else f"{name}#{taken}"
+                    placements[named[key]] = list(a)
+                chosen[objective] = named[key]
+                phases[objective][prefix + name] = named[key]
+            differ = differ or len(set(chosen.values())) > 1
+    return ObjectivePlacements(placements, phases, differ)
+
+
 class BackendLost(TesseraError):
     """The backend cannot run steps any more (its last worker is lost, or a lost worker is not re-planned
     under ``--on-failure fail``): the server must exit so that its supervisor restarts it."""

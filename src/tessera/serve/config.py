@@ -78,6 +78,10 @@ class ServeConfig:
     max_queue: int | None = 256  # requests waiting for a slot beyond which new ones get 429 (None: no bound)
     queue_timeout_s: float | None = None  # a request without a slot after this long fails with 503 (None: never)
     transfer_timeout_s: float = 30.0  # a worker waiting this long on a peer's transfer counts it lost
+    # a plan file (`tessera plan -o`) to serve instead of planning ``policy``: its routes, on these workers (a
+    # plan for GPUs: its target i on worker cpu:i); ``policy`` is then only what a lost worker re-plans
+    plan_file: str | None = None
+    shares: str = "auto"  # how a plan file's routes take requests (tessera.serve.dealing): auto | throughput | latency
 
     def check(self) -> None:
         """Raise `ServeOptionError` (or the policy's own error) for an option that cannot work."""
@@ -123,3 +127,30 @@ class ServeConfig:
         if self.local and self.placement is not None:
             raise ServeOptionError("--local runs every step in this process; --placement places kernels on "
                                    "workers: give one of them")
+        from tessera.plan.shares import SHARE_MODES
+
+        if self.shares not in SHARE_MODES:
+            raise ServeOptionError(f"--shares must be one of {', '.join(SHARE_MODES)} (got {self.shares!r})")
+        if self.plan_file is not None:
+            self._check_plan(len(cluster.devices))
+        elif self.shares != "auto":
+            raise ServeOptionError("--shares deals requests among a plan file's routes: give --plan FILE (or serve "
+                                   "with --engine vllm)")
+
+    def _check_plan(self, workers: int) -> None:
+        """The plan file served: options that would place kernels otherwise conflict with it, and the file
+        must be a plan of this model whose targets fit the workers (read now: errors before serving)."""
+        for option, given in (("--latency-policy", self.latency_policy), ("--placement", self.placement)):
+            if given is not None:
+                raise ServeOptionError(f"--plan serves the plan file's placements; {option} places kernels "
+                                       "otherwise: give one of them")
+        if self.local:
+            raise ServeOptionError("--local runs every step in this process (the single-process reference); --plan "
+                                   "places kernels on workers: give one of them")
+        from tessera.serve.dealing import DealtRoute, RouteDealer
+        from tessera.serve.plan_routes import load_served_plan, split_slots
+
+        served = load_served_plan(self.plan_file, self.model, workers)
+        slots = split_slots([r.share for r in served.routes], self.slots)
+        RouteDealer([DealtRoute(r.share, r.latency_s, n) for r, n in zip(served.routes, slots, strict=True)],
+                    self.shares)  # ShareSwitchError: a mode the plan's routes cannot take

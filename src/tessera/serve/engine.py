@@ -101,6 +101,7 @@ class Generation:
     sent: int = 0  # characters of text already emitted
     finish_reason: str | None = None
     cancelled: bool = False
+    route: int = 0  # the engine route it takes (its index in Engine.routes)
 
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -151,6 +152,35 @@ class EngineStats:
     tokens_by: dict[str, int] = field(default_factory=dict)  # tokens generated, per objective
 
 
+@dataclass(frozen=True)
+class RouteSpec:
+    """One route of an engine: its name, its rows of the KV cache (``slots``), its shape buckets and the share
+    of the requests it takes."""
+
+    name: str
+    slots: int
+    buckets: Buckets
+    share: float = 1.0
+    latency_s: float | None = None  # its planned request latency (None: not known)
+
+
+@dataclass
+class EngineRoute:
+    """A route the engine serves (see `Engine`): its own scheduler over its rows of the KV cache (cache row
+    ``offset + slot``), and the prefix of its bucket phases in the placements (``r1/decode@4``; none for an
+    engine of one route)."""
+
+    spec: RouteSpec
+    scheduler: Scheduler
+    offset: int
+    prefix: str
+
+
+def route_prefix(index: int, routes: int) -> str:
+    """The prefix of route ``index``'s bucket phases: none for an engine of one route, else ``r{index}/``."""
+    return "" if routes == 1 else f"r{index}/"
+
+
 def serving_scheduler(slots: int, buckets: Buckets, max_context: int) -> Scheduler:
     """The engine's scheduler: ``slots`` requests in flight; batched prompts of up to every slot and at most
     ``max_context`` tokens a prefill step (rows bucket x prompt bucket: the longest prompt fits alone)."""
@@ -158,19 +188,38 @@ def serving_scheduler(slots: int, buckets: Buckets, max_context: int) -> Schedul
 
 
 class Engine:
-    """Continuous batching over a step backend (see the module docstring)."""
+    """Continuous batching over a step backend (see the module docstring).
+
+    With ``routes`` (a plan's routes: a route mix, request-dist's replicas) the engine serves several engines
+    on one backend and one KV cache: each route has its own scheduler over its own rows (in route order), its
+    bucket phases prefixed ``r{i}/`` in the placements, and its own lanes; requests are dealt to the routes as
+    the router deals them (``shares``: auto, throughput or latency, see `tessera.serve.dealing`), and the steps
+    of routes whose lanes share a worker take whole turns (see `tessera.serve.lanes`)."""
 
     def __init__(self, backend: StepBackend, placements: ObjectivePlacements, tokenizer, slots: int,
                  buckets: Buckets, max_context: int, monitor: Monitor | None = None,
                  log: Callable[[str], None] | None = None, clock: Callable[[], float] = time.perf_counter,
                  latency_rows: int | None = None, max_queued: int | None = None,
-                 queue_timeout_s: float | None = None, respawn: bool = False):
+                 queue_timeout_s: float | None = None, respawn: bool = False,
+                 routes: list[RouteSpec] | None = None, shares: str = "auto", share_cooldown_s: float = 1.0):
+        from tessera.serve.dealing import DealtRoute, RouteDealer
+
         self.backend = backend
         self.placements = placements
         self.tokenizer = tokenizer
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.scheduler = serving_scheduler(slots, buckets, max_context)
+        specs = routes or [RouteSpec("", slots, buckets)]
+        if sum(r.slots for r in specs) != slots:
+            raise ValueError(f"the routes' slots {[r.slots for r in specs]} do not add up to the engine's {slots}")
+        self.routes: list[EngineRoute] = []
+        for i, spec in enumerate(specs):
+            self.routes.append(EngineRoute(spec, serving_scheduler(spec.slots, spec.buckets, max_context),
+                                           sum(r.slots for r in specs[:i]), route_prefix(i, len(specs))))
+        self.scheduler = self.routes[0].scheduler  # an engine of one route: its scheduler
+        self.slots = slots
+        self.dealer = RouteDealer([DealtRoute(r.share, r.latency_s, r.slots) for r in specs], shares,
+                                  share_cooldown_s, clock)
         self.max_context = max_context
         # the latency plan serves the low-load bucket: at most this many requests in flight while it is active
         self.rows = {"latency": min(slots, latency_rows or slots), "throughput": slots}
@@ -202,7 +251,8 @@ class Engine:
         self._lanes: dict[str, list[Lane]] = {}
         self.lanes = LaneRunner(self._current_lanes, self._next_step, self._start_step, self._end_step,
                                 lambda handles, timeout_s: self.backend.wait(handles, timeout_s),
-                                frozenset(s.phase for s in self.scheduler.stages if s.batched))
+                                frozenset(r.prefix + s.phase for r in self.routes for s in r.scheduler.stages
+                                          if s.batched))
 
     def _current_lanes(self) -> list[Lane]:
         objective = self.monitor.objective
@@ -211,7 +261,23 @@ class Engine:
         return self._lanes[objective]
 
     def _next_step(self, now: float, phases: set[str]) -> ScheduledStep | None:
-        return self.scheduler.next_step(now, phases, max_rows=self.rows[self.monitor.objective])
+        """The next step among a lane's ``phases`` (a lane's phases are one route's)."""
+        for route in self.routes:
+            mine = {p[len(route.prefix):] for p in phases if p.startswith(route.prefix) and "/" not in
+                    p[len(route.prefix):]}
+            if mine:
+                return route.scheduler.next_step(now, mine, max_rows=self.rows[self.monitor.objective])
+        return None
+
+    def _route_of(self, gen: Generation) -> EngineRoute:
+        return self.routes[gen.route]
+
+    def _deal(self) -> int:
+        """The route the next request takes (one route: that one), by the requests queued and in flight."""
+        if len(self.routes) == 1:
+            return 0
+        queued, running = self.queue_depth()
+        return self.dealer.pick(queued + running)
 
     def _backend_event(self, kind: str, detail: str) -> None:
         """The backend lost a worker ("recovering") or finished re-planning onto the survivors ("recovered")."""
@@ -254,7 +320,7 @@ class Engine:
 
     def idle(self) -> bool:
         """Whether no request is queued or in flight."""
-        return self._incoming.empty() and not self._by_request and not self.scheduler.waiting
+        return self._incoming.empty() and not self._by_request and not any(r.scheduler.waiting for r in self.routes)
 
     @property
     def running(self) -> bool:
@@ -268,10 +334,10 @@ class Engine:
             raise EngineUnavailable("the server is shutting down" if self.error is None else
                                     "the engine has failed; the server is exiting for its supervisor to restart it")
         queued, running = self.queue_depth()
-        waiting = queued - max(0, self.scheduler.slots - running)  # those a free slot will not take at once
+        waiting = queued - max(0, self.slots - running)  # those a free slot will not take at once
         if self.max_queued is not None and waiting >= self.max_queued:
             self.stats.refused += 1
-            raise EngineBusy(f"{waiting} requests already wait for one of the {self.scheduler.slots} slots, the "
+            raise EngineBusy(f"{waiting} requests already wait for one of the {self.slots} slots, the "
                              f"queue's limit (--max-queue {self.max_queued}); retry shortly")
         if not prompt_ids:
             raise RequestError("the prompt is empty")
@@ -294,8 +360,10 @@ class Engine:
             self._count += 1
             rid = f"req-{self._count}"
         req = Request(rid, self.clock(), len(prompt_ids), params.max_tokens)
+        with self._lock:
+            route = self._deal()
         gen = Generation(rid, list(prompt_ids), params, sink, req, sampling,
-                         IncrementalDetokenizer(self.tokenizer))
+                         IncrementalDetokenizer(self.tokenizer), route=route)
         self._incoming.put(gen)
         self._wake.set()
         return gen
@@ -311,7 +379,8 @@ class Engine:
 
     def queue_depth(self) -> tuple[int, int]:
         """(queued, in flight) requests."""
-        return len(self.scheduler.waiting) + self._incoming.qsize(), len(self.scheduler.running)
+        return (sum(len(r.scheduler.waiting) for r in self.routes) + self._incoming.qsize(),
+                sum(len(r.scheduler.running) for r in self.routes))
 
     # -------------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -353,7 +422,7 @@ class Engine:
     def _admit(self) -> None:
         while not self._incoming.empty():
             gen = self._incoming.get()
-            if not self.scheduler.submit(gen.sched):
+            if not self._route_of(gen).scheduler.submit(gen.sched):
                 self._emit(gen, "error", gen.sched.rejected)
                 continue
             self._by_request[id(gen.sched)] = gen
@@ -387,16 +456,20 @@ class Engine:
                      f"{RESTORE_RETRY_S:g} s")
 
     def _close_window(self, now: float) -> None:
-        switch = self.monitor.close_window(now, list(self.scheduler.waiting), list(self.scheduler.running),
+        switch = self.monitor.close_window(now, [q for r in self.routes for q in r.scheduler.waiting],
+                                           [q for r in self.routes for q in r.scheduler.running],
                                            self._finished_in_window)
         self._finished_in_window = []
         if switch is not None:
             self.log(f"plan switch: {switch.before} -> {switch.after} (latency / execution = {switch.ratio:.2f}, "
                      f"beta {self.monitor.beta})")
 
+    def _step_route(self, step: ScheduledStep) -> EngineRoute:
+        return self._route_of(self._by_request[id(step.requests[0])])
+
     def _phase(self, step: ScheduledStep) -> str:
         name = prefill_name(step.rows, step.seq) if step.phase == "prefill" else phase_name(step.phase, step.rows)
-        return self.placements.phases[self.monitor.objective][name]
+        return self.placements.phases[self.monitor.objective][self._step_route(step).prefix + name]
 
     def _inputs(self, step: ScheduledStep) -> dict[str, torch.Tensor]:
         gens = [self._by_request[id(r)] for r in step.requests]
@@ -404,13 +477,13 @@ class Engine:
             # padding rows repeat the last request: the same prompt into the same slot writes the same cache
             rows = gens + [gens[-1]] * (step.rows - len(gens))
             ids = [g.prompt_ids[:-1] + [self.pad] * (step.seq - len(g.prompt_ids) + 1) for g in rows]
-            return {"input_ids": torch.tensor(ids), "slots": torch.tensor([g.sched.slot for g in rows]),
+            return {"input_ids": torch.tensor(ids), "slots": torch.tensor([self._row(g) for g in rows]),
                     **sampling_inputs([Sampling().inputs(0)] * step.rows)}  # prefill's tokens are not used
         tokens, positions, slots, sampling = [], [], [], []
         for gen in gens:
             tokens.append(gen.tokens[-1] if gen.tokens else gen.prompt_ids[-1])
             positions.append(gen.sched.input + gen.sched.generated - 1)
-            slots.append(gen.sched.slot)
+            slots.append(self._row(gen))
             sampling.append(gen.sampling.inputs(len(gen.tokens)))
         # padding rows repeat the last request (its token at its position into its slot: the same cache write, an
         # output nobody reads), so no free slot is needed (the latency cap can leave more requests in flight than
@@ -425,12 +498,18 @@ class Engine:
         return {"input_ids": torch.tensor(tokens)[:, None], "positions": torch.tensor(positions),
                 "slots": torch.tensor(slots), **sampling_inputs(sampling)}
 
+    def _row(self, gen: Generation) -> int:
+        """The KV-cache row of a request: its slot among its route's rows."""
+        return self._route_of(gen).offset + gen.sched.slot
+
     def _push_to(self, step: ScheduledStep) -> tuple[str, ...]:
         """Where a prefill's KV goes on to at once: the workers of the decode steps (of the largest bucket; all
         buckets of a phase share a placement)."""
         if step.phase != "prefill":
             return ()
-        decode = self.placements.phases[self.monitor.objective].get(phase_name("decode", self.scheduler.buckets.batch[-1]))
+        route = self._step_route(step)
+        decode = self.placements.phases[self.monitor.objective].get(
+            route.prefix + phase_name("decode", route.scheduler.buckets.batch[-1]))
         return (decode,) if decode is not None else ()
 
     def _start_step(self, step: ScheduledStep) -> tuple[Any, tuple[list[Generation], float]]:
@@ -451,6 +530,7 @@ class Engine:
         """Take a step's result: tokens to its requests, the scheduler advanced (requests that ended while it
         was in flight are left out)."""
         gens, t0, failed = context
+        route = self._route_of(gens[0])
         try:
             if failed is not None:
                 raise failed
@@ -486,7 +566,7 @@ class Engine:
         for req in step.requests:
             req.in_step = req.in_step and id(req) in self._by_request
         live = [r for r in step.requests if id(r) in self._by_request]
-        for req in self.scheduler.complete(dataclasses.replace(step, requests=live), t0, t1):  # reached max_tokens (or EOS on the last one)
+        for req in route.scheduler.complete(dataclasses.replace(step, requests=live), t0, t1):  # reached max_tokens (or EOS on the last one)
             gen = self._by_request.get(id(req))
             if gen is not None and gen.finish_reason is None:
                 self._done(gen, ended.get(id(gen), "length"), t1)
@@ -511,7 +591,7 @@ class Engine:
         gen.finish_reason = "error"
         self.stats.failed += 1
         if gen.sched.finish_s is None:
-            self.scheduler.finish(gen.sched, now)
+            self._route_of(gen).scheduler.finish(gen.sched, now)
         self._forget(gen)
         self._emit(gen, "error", message if isinstance(message, ServerFault) else ServerFault(message))
 
@@ -560,7 +640,7 @@ class Engine:
             gen.sent = end
 
     def _finish(self, gen: Generation, reason: str, now: float) -> None:
-        self.scheduler.finish(gen.sched, now)
+        self._route_of(gen).scheduler.finish(gen.sched, now)
         self._done(gen, reason, now)
 
     def _done(self, gen: Generation, reason: str, now: float) -> None:

@@ -4,13 +4,16 @@ A lane is a set of phases (prefill, decode) whose runtime phases use a common wo
 another phase: the rule of `tessera.plan.deployment.lanes`, read off the placements the engine runs under its
 current objective. Under prefill-decode the prefill worker and the decode worker are two lanes; under
 layer-pipeline or attention-ffn both phases span both workers and form one lane; a single-process backend
-is one lane.
+is one lane. An engine serving several routes (a route mix) has lanes per route, as the simulator has lanes
+per engine: its phases are named ``r{i}/prefill`` and are never one lane with another route's, however they
+share workers.
 
 Every lane with nothing in flight starts its next step (the scheduler's choice among the lane's phases), so
 the prefill worker prefills while the decode worker decodes. A lane whose workers a step in flight holds
 (after a switch of objective to placements that overlap, or engines sharing a worker) waits until that step
 is back: steps take turns whole. The priority order is the simulator's (`tessera.sim.requests.run_requests`):
-lanes that run only prompt steps first, then the lane that started a step least recently; within a lane the
+lanes that run only prompt steps first (in a route mix
+they feed another worker's batched steps), then the lane that started a step least recently; within a lane the
 scheduler's order (single-request stages first: a prefill before a decode).
 """
 
@@ -34,23 +37,36 @@ class Lane:
     workers: frozenset[int]
 
 
+def base_phase(phase: str) -> str:
+    """A lane phase without its route: ``r1/prefill`` -> ``prefill``."""
+    return phase.rpartition("/")[2]
+
+
+def _route(phase: str) -> str:
+    return phase.rpartition("/")[0]
+
+
 def lanes_of(placements: ObjectivePlacements, objective: str) -> list[Lane]:
-    """The lanes of the engine's phases under ``objective``: phases whose runtime phases share a worker,
-    directly or through another phase, are one lane; in the order of each lane's first phase (prefill,
-    decode)."""
+    """The lanes of the engine's phases under ``objective``: phases of one route whose runtime phases share a
+    worker, directly or through another phase, are one lane; by route, then in the order of each lane's first
+    phase (prefill, decode)."""
     used: dict[str, set[int]] = {}
     for bucket, runtime in placements.phases[objective].items():
         used.setdefault(bucket.split("@")[0], set()).update(placements.placements[runtime])
+
+    def key(p: str) -> tuple[str, bool, str]:
+        return _route(p), base_phase(p) != "prefill", p
+
     groups: list[tuple[set[str], set[int]]] = []
-    for phase in sorted(used, key=lambda p: (p != "prefill", p)):
-        merged = [g for g in groups if g[1] & used[phase]]
+    for phase in sorted(used, key=key):
+        merged = [g for g in groups if g[1] & used[phase] and _route(next(iter(g[0]))) == _route(phase)]
         phases, workers = {phase}, set(used[phase])
         for g in merged:
             groups.remove(g)
             phases |= g[0]
             workers |= g[1]
         groups.append((phases, workers))
-    order = {p: i for i, p in enumerate(sorted(used, key=lambda p: (p != "prefill", p)))}
+    order = {p: i for i, p in enumerate(sorted(used, key=key))}
     groups.sort(key=lambda g: min(order[p] for p in g[0]))
     return [Lane(frozenset(p), frozenset(w)) for p, w in groups]
 
@@ -96,7 +112,8 @@ class LaneRunner:
         if not self.inflight:
             return started
         held = {w for f in self.inflight for w in f.lane.workers}
-        idle = any(self.admits in lane.phases and not lane.workers & held for lane in self.lanes())
+        idle = any(self.admits in {base_phase(p) for p in lane.phases} and not lane.workers & held
+                   for lane in self.lanes())
         done = self.wait([f.handle for f in self.inflight], POLL_S if idle else None)
         for f in [f for f in self.inflight if any(f.handle is h for h in done)]:
             self.inflight.remove(f)

@@ -1,6 +1,7 @@
 """Starting a served deployment from a `ServeConfig` on local cpu workers: the tokenizer, the bucket
-graphs, each objective's placements (from a policy planned with this host's measured kernel times, or a
-synthetic placement), the worker pool and the engine."""
+graphs, each objective's placements (from a policy planned with this host's measured kernel times, a
+synthetic placement, or a plan file's routes: `tessera.serve.plan_routes`), the worker pool and the
+engine."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ from tessera.serve.backend import (
     ServeSetupError,
     WorkerBackend,
     bucket_graphs,
+    bucket_of,
     objective_placements,
+    phase_name,
+    prefill_name,
+    route_placements,
 )
 from tessera.serve.config import ServeConfig
-from tessera.serve.engine import Engine, serving_scheduler
+from tessera.serve.engine import Engine, RouteSpec, route_prefix, serving_scheduler
 from tessera.serve.monitor import Monitor
 
 PLAN_PROMPT = 64  # prompt length the placements are planned for (every prompt bucket has the same kernels)
@@ -103,6 +108,34 @@ def replanner(cfg: ServeConfig, threads: int, phases: list[str], log: Callable[[
     return replan
 
 
+def planned_routes(cfg: ServeConfig, workers: int, log: Callable[[str], None]
+                   ) -> tuple[dict, ObjectivePlacements, list[RouteSpec], str]:
+    """A plan file's routes served on ``workers`` cpu workers: the bucket graphs every route needs, their
+    placements, each route's slots (``cfg.slots`` divided by the routes' shares) and buckets, and what is
+    served."""
+    from tessera.serve.plan_routes import load_served_plan, split_slots
+
+    served = load_served_plan(cfg.plan_file, cfg.model, workers)
+    slots = split_slots([r.share for r in served.routes], cfg.slots)
+    specs = [RouteSpec(r.name, n, Buckets.default(n, cfg.max_context, cfg.min_prompt_bucket), r.share, r.latency_s)
+             for r, n in zip(served.routes, slots, strict=True)]
+    names: list[list[str]] = []
+    prompts: set[tuple[int, int]] = set()
+    rows: set[int] = set()
+    for spec in specs:
+        shapes = serving_scheduler(spec.slots, spec.buckets, cfg.max_context).prompt_shapes()
+        prompts.update(shapes)
+        rows.update(spec.buckets.batch)
+        names.append([prefill_name(r, s) for r, s in shapes] + [phase_name("decode", b) for b in spec.buckets.batch])
+    graphs = bucket_graphs(cfg.model, cfg.slots, cfg.max_context, sorted(prompts), tuple(sorted(rows)), log)
+    placements = route_placements(graphs, [(route_prefix(i, len(specs)), names[i], r.assignments)
+                                           for i, r in enumerate(served.routes)])
+    how = served.how
+    if len(specs) > 1:
+        how += "; " + ", ".join(f"{s.name}: {s.slots} slot{'s' if s.slots != 1 else ''}" for s in specs)
+    return graphs, placements, specs, how
+
+
 def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) -> tuple[Engine, str]:
     """Trace, place, start the workers and the engine; returns the running engine and a description."""
     from tessera.hardware.cluster import parse_cluster
@@ -113,7 +146,8 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
     if cfg.slots < 1 or cfg.max_context < 2:
         raise ServeSetupError(f"slots must be at least 1 and the context at least 2 (got {cfg.slots}, "
                               f"{cfg.max_context})")
-    if cfg.policy == "request-dist" and not cfg.local and cfg.placement is None:  # one engine per replica
+    if cfg.policy == "request-dist" and not cfg.local and cfg.placement is None and cfg.plan_file is None:
+        # one engine per replica
         from tessera.serve.replicas import start_replicas
 
         return start_replicas(cfg, start_engine, PLAN_PROMPT, log)
@@ -125,8 +159,12 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
     workers = len(cluster.devices)
     threads = cfg.threads or cluster.devices[0].spec.threads or 1
     buckets = Buckets.default(cfg.slots, cfg.max_context, cfg.min_prompt_bucket)
-    prompts = serving_scheduler(cfg.slots, buckets, cfg.max_context).prompt_shapes()
-    graphs = bucket_graphs(cfg.model, cfg.slots, cfg.max_context, prompts, buckets.batch, log)
+    routes = None
+    if cfg.plan_file is not None:
+        graphs, placements, routes, how = planned_routes(cfg, workers, log)
+    else:
+        prompts = serving_scheduler(cfg.slots, buckets, cfg.max_context).prompt_shapes()
+        graphs = bucket_graphs(cfg.model, cfg.slots, cfg.max_context, prompts, buckets.batch, log)
     files = weight_files(cfg.model)
     if cfg.local:
         if cfg.threads is not None:  # this process is the one worker
@@ -138,13 +176,14 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
         backend = LocalBackend(graphs, files, cfg.batch_invariant)
         how = "one process (reference)"
     else:
-        assignments, how = plan_assignments(cfg, workers, threads, log)
-        placements = objective_placements(graphs, assignments)
+        if cfg.plan_file is None:
+            assignments, how = plan_assignments(cfg, workers, threads, log)
+            placements = objective_placements(graphs, assignments)
         log(f"starting {workers} workers ({threads} thread{'s' if threads != 1 else ''} each)")
         replan = cfg.on_failure in ("replan", "respawn")
         pool = WorkerPool.local(workers, threads, transfer_timeout_s=cfg.transfer_timeout_s, allow_lost=replan)
         try:
-            phases = {name: graphs[name.split(":")[0]] for name in placements.placements}
+            phases = {name: graphs[bucket_of(name)] for name in placements.placements}
             runner = DistributedRunner(pool, phases, placements.placements, weights_path=files, log=log,
                                        batch_invariant=cfg.batch_invariant,
                                        on_failure="replan" if replan else "fail",
@@ -159,7 +198,8 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
                       enabled=placements.differ or cfg.latency_rows < cfg.slots)
     engine = Engine(backend, placements, tokenizer, cfg.slots, buckets, cfg.max_context, monitor, log,
                     latency_rows=cfg.latency_rows, max_queued=cfg.max_queue, queue_timeout_s=cfg.queue_timeout_s,
-                    respawn=cfg.on_failure == "respawn")
+                    respawn=cfg.on_failure == "respawn", routes=routes, shares=cfg.shares,
+                    share_cooldown_s=cfg.cooldown_s)
     lost = [] if cfg.local else [pool.devices[w] for w in sorted(pool.lost)]
     if lost:  # serving on the workers that started: /health says so
         engine.status, engine.degraded = "degraded", f"lost {', '.join(lost)} while starting"
