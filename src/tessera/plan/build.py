@@ -13,18 +13,19 @@ problem has more kernels than the graph; ``StepProblem`` maps between the two.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 
+from tessera.capture.trace_facts import graph_colocation, graph_edges
 from tessera.cost.features import FeatureExtractor, KernelFeatures, is_kv_buffer
 from tessera.cost.model import CostModel
 from tessera.cost.options import CostOptions
 from tessera.cost.profile import Profile
 from tessera.cost.routing import RoutingDistribution
-from tessera.graph.dataflow import colocation, data_edges
 from tessera.graph.ir import KernelGraph
 from tessera.hardware.cluster import SAME_DEVICE, Cluster
 from tessera.plan.config import DEFAULT_MEMORY_UTILIZATION
@@ -152,9 +153,10 @@ def memory_items(graph: KernelGraph, options: CostOptions, micro_batches: int, s
 def activation_peak(graph: KernelGraph) -> float:
     """Bytes of the largest single-kernel working set of activations, inputs and outputs."""
     per_kernel: dict[int, float] = defaultdict(float)
+    moving = {name for name, b in graph.buffers.items() if b.kind in ("activation", "input", "output")}
     for a in graph.accesses:
-        if graph.buffers[a.buffer].kind in ("activation", "input", "output"):
-            per_kernel[a.kernel] += float(np.prod(a.sizes)) * a.itemsize if a.sizes else a.itemsize
+        if a.buffer in moving:
+            per_kernel[a.kernel] += float(math.prod(a.sizes)) * a.itemsize if a.sizes else a.itemsize
     return max(per_kernel.values(), default=0.0)
 
 
@@ -173,9 +175,8 @@ class GraphFacts:
 
     @classmethod
     def of(cls, graph: KernelGraph, options: CostOptions, routing_skew: float = 0.0) -> GraphFacts:
-        edges = data_edges(graph)
-        return cls(FeatureExtractor(graph, options).all(), default_routing(graph, routing_skew), edges,
-                   colocation(graph, edges), activation_peak(graph), state_first(graph), graph)
+        return cls(FeatureExtractor(graph, options).all(), default_routing(graph, routing_skew), graph_edges(graph),
+                   graph_colocation(graph), activation_peak(graph), state_first(graph), graph)
 
     @cached_property
     def traffic(self) -> GraphTraffic:

@@ -25,9 +25,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from tessera.capture.trace_facts import graph_layers
 from tessera.cost.features import block_of
 from tessera.errors import TesseraError
-from tessera.graph.layers import layer_structure
 from tessera.plan.admission import round_batch
 from tessera.plan.config import DEFAULT_MIX_MIN_GAIN, PolicyError
 from tessera.plan.context import Chosen, PhaseSpec, PlanContext, PlanningError
@@ -446,7 +446,7 @@ def layer_pipeline(outer: PlanContext, objective: str) -> DeploymentPlan:
         ms = ctx.micro_batch_options(main) if objective == "throughput" else [1]
         for m in ms:
             sp = ctx.step_problem(main, targets, m)
-            structure = layer_structure(sp.graph)
+            structure = graph_layers(sp.graph)
             merged = merge(sp.problem, layer_groups(structure, sp.problem.kernels))
             layers = sorted(structure.spans)
             classes = device_classes(sp.problem, *(ctx.step_problem(ph, targets).problem for ph in ctx.phases
