@@ -52,7 +52,12 @@ class StepProblem:
         return self.problem.micro_batches
 
     def problem_kernels(self) -> list[list[int]]:
-        """For each graph kernel, its problem kernels (expert parts then combine, when split)."""
+        """For each graph kernel, its problem kernels (expert parts then combine, when split); shared between
+        calls, not to be changed."""
+        return self._problem_kernels
+
+    @cached_property
+    def _problem_kernels(self) -> list[list[int]]:
         if self.mapping is None:
             return [[i] for i in range(len(self.graph.kernels))]
         out: list[list[int]] = [[] for _ in self.graph.kernels]
