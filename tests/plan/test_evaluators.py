@@ -71,8 +71,8 @@ def random_problem(seed: int, k: int = 14, d: int = 3) -> PlacementProblem:
 @pytest.mark.parametrize("summed_at_once", [True, False])
 @pytest.mark.parametrize("seed", range(6))
 def test_vectorised_evaluators_equal_their_literal_definitions(seed, summed_at_once, monkeypatch):
-    if not summed_at_once:  # memory use of many assignments: summed item after item in a loop
-        monkeypatch.setattr(enumerate_module, "_ACCUMULATE_CELLS", 0)
+    if not summed_at_once:  # memory use of one assignment too: summed item after item over arrays
+        monkeypatch.setattr(enumerate_module, "_FEW_ASSIGNMENTS", 0)
     p = random_problem(seed)
     many = np.random.default_rng(seed + 100).integers(0, 3, (40, p.kernels))
     for a in (many, many[:1], many[7:8]):

@@ -16,7 +16,7 @@ from tessera.plan.problem import OBJECTIVES, Placement, PlacementProblem, Placem
 
 MAX_ASSIGNMENTS = 2_000_000
 _MEMORY_SLACK = 1e-9  # relative: a device holding exactly its capacity fits
-_ACCUMULATE_CELLS = 1 << 22  # items x assignments x devices up to which memory_use sums in one call (32 MB of floats)
+_FEW_ASSIGNMENTS = 4  # memory_use of at most this many assignments is summed per device in Python
 
 
 def allowed_devices(problem: PlacementProblem) -> list[list[int]]:
@@ -129,8 +129,14 @@ def memory_use(problem: PlacementProblem, a: np.ndarray) -> np.ndarray:
     if not len(e.items):
         return np.zeros((len(a), nd))
     sizes = problem.memory.item_bytes[e.items]
-    if held.size <= _ACCUMULATE_CELLS:  # one ufunc call: add.accumulate adds item after item too
-        return np.add.accumulate(held * sizes[:, None, None], axis=0)[-1]
+    if len(a) <= _FEW_ASSIGNMENTS:  # Python floats, held items only: the same additions (x + 0.0 is x)
+        out = np.zeros((len(a), nd))
+        for n, d in np.ndindex(len(a), nd):
+            total = 0.0
+            for size in sizes[held[:, n, d]].tolist():
+                total += size
+            out[n, d] = total
+        return out
     use = held[0] * sizes[0]
     for j in range(1, len(sizes)):  # summed item after item: the same sums as adding them one by one
         use += held[j] * sizes[j]
