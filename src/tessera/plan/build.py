@@ -21,7 +21,7 @@ from functools import cached_property
 import numpy as np
 
 from tessera.capture.trace_facts import graph_colocation, graph_edges
-from tessera.cost.features import FeatureExtractor, KernelFeatures, is_kv_buffer
+from tessera.cost.features import FeatureExtractor, KernelFeatures, block_of, is_kv_buffer
 from tessera.cost.model import CostModel
 from tessera.cost.options import CostOptions
 from tessera.cost.profile import Profile
@@ -64,6 +64,16 @@ class StepProblem:
         for i, (k, _) in enumerate(self.mapping.origin):
             out[k].append(i)
         return out
+
+    @cached_property
+    def block_kernels(self) -> dict[str, np.ndarray]:
+        """The problem kernels of the graph's ``attention`` and ``ffn`` kernels (`block_of`, by module scope)."""
+        rows: dict[str, list[int]] = {"attention": [], "ffn": []}
+        for k, own in zip(self.graph.kernels, self.problem_kernels(), strict=True):
+            blk = block_of(k)
+            if blk in rows:
+                rows[blk] += own
+        return {blk: np.array(r, dtype=np.int64) for blk, r in rows.items()}
 
     def graph_assignment(self, assignment) -> list[int]:
         """Each graph kernel's target: its own, or its combine's when its experts were split."""
