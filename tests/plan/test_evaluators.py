@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tessera.plan import enumerate as enumerate_module
 from tessera.plan.enumerate import critical_paths, link_loads, memory_fits, memory_use
 from tessera.plan.problem import MemorySpec, PlacementProblem
+from tessera.plan.step_evaluation import evaluate
 
 
 def literal_link_loads(problem: PlacementProblem, a: np.ndarray) -> np.ndarray:
@@ -67,8 +69,11 @@ def random_problem(seed: int, k: int = 14, d: int = 3) -> PlacementProblem:
                     for _ in range(3)])
 
 
+@pytest.mark.parametrize("summed_at_once", [True, False])
 @pytest.mark.parametrize("seed", range(6))
-def test_vectorised_evaluators_equal_their_literal_definitions(seed):
+def test_vectorised_evaluators_equal_their_literal_definitions(seed, summed_at_once, monkeypatch):
+    if not summed_at_once:  # memory use of one assignment too: summed item after item over arrays
+        monkeypatch.setattr(enumerate_module, "_FEW_ASSIGNMENTS", 0)
     p = random_problem(seed)
     many = np.random.default_rng(seed + 100).integers(0, 3, (40, p.kernels))
     for a in (many, many[:1], many[7:8]):
@@ -77,3 +82,16 @@ def test_vectorised_evaluators_equal_their_literal_definitions(seed):
         assert np.array_equal(memory_use(p, a), literal_memory_use(p, a))
         cap = p.memory.capacity * (1 + 1e-9)
         assert np.array_equal(memory_fits(p, a), (literal_memory_use(p, a) <= cap).all(axis=1))
+
+
+def test_an_evaluation_is_computed_once_per_problem_and_assignment():
+    p = random_problem(3)
+    a = np.random.default_rng(7).integers(0, 3, p.kernels)
+    first = evaluate(p, a)
+    assert evaluate(p, a.tolist()) is first and evaluate(p, tuple(int(x) for x in a)) is first
+    assert len(p.evaluations) == 1
+    fresh = random_problem(3)  # the same problem built again: nothing remembered, the same answer
+    assert not fresh.evaluations and evaluate(fresh, a) == first
+    other = (a + 1) % 3
+    assert evaluate(p, other) != first and evaluate(p, other) == evaluate(random_problem(3), other)
+    assert len(p.evaluations) == 2

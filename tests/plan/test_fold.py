@@ -133,3 +133,19 @@ def test_layer_groups_and_bad_partitions(llama_tiny_problem):
         merge(sp.problem, [*groups, [0]])
     with pytest.raises(PlacementProblemError, match="different devices"):
         merged.fold((0, 1) * (sp.problem.kernels // 2) + (0,) * (sp.problem.kernels % 2))
+
+
+def test_attention_and_ffn_kernels_are_kept_on_their_targets(llama_tiny_problem):
+    from tessera.cost.features import block_of
+    from tessera.plan.policies import _block_allowed
+
+    graph, sp = llama_tiny_problem
+    literal = np.ones(sp.problem.times.shape, dtype=bool)
+    for k, own in zip(graph.kernels, sp.problem_kernels(), strict=True):
+        if block_of(k) in ("attention", "ffn"):
+            literal[own] = False
+            literal[own, 0 if block_of(k) == "attention" else 1] = True
+    allowed = _block_allowed(sp, 0, 1)
+    assert np.array_equal(allowed, literal)
+    assert len(sp.block_kernels["attention"]) > 0 and len(sp.block_kernels["ffn"]) > 0
+    assert (~allowed).sum() == len(sp.block_kernels["attention"]) + len(sp.block_kernels["ffn"])

@@ -20,6 +20,7 @@ import gzip
 import hashlib
 import json
 import os
+import weakref
 import zlib
 from collections.abc import Callable
 from importlib import metadata
@@ -34,6 +35,7 @@ from tessera.paths import atomic_write, default_cache_dir
 ENV_SWITCH = "TESSERA_TRACE_CACHE"  # "0" (or "off", "no", "false"): trace every time
 _CODE_PACKAGES = ("capture", "kernels", "graph")  # what decides a trace (besides torch and transformers)
 _LIBRARIES = ("torch", "transformers", "diffusers")
+_ENTRIES: dict[int, tuple[weakref.ref, Path]] = {}  # id(graph) -> (the graph, its entry) for graphs read or written
 
 
 def cache_folder() -> Path:
@@ -82,6 +84,19 @@ def entry_path(key: dict[str, Any], folder: Path | None = None) -> Path:
     return (cache_folder() if folder is None else folder) / f"{name}.json.gz"
 
 
+def _remember(graph: KernelGraph, path: Path) -> KernelGraph:
+    gid = id(graph)
+    _ENTRIES[gid] = (weakref.ref(graph, lambda _ref: _ENTRIES.pop(gid, None)), path)
+    return graph
+
+
+def entry_of(graph: KernelGraph) -> Path | None:
+    """The cache entry this very graph object was read from or written to in this process (None for any
+    other graph): facts read off it may be kept beside it (`tessera.capture.trace_facts`)."""
+    known = _ENTRIES.get(id(graph))
+    return known[1] if known is not None and known[0]() is graph else None
+
+
 def read(key: dict[str, Any], folder: Path | None = None) -> KernelGraph | None:
     """The cached graph of ``key``, or None (absent, damaged or another key's)."""
     path = entry_path(key, folder)
@@ -91,7 +106,7 @@ def read(key: dict[str, Any], folder: Path | None = None) -> KernelGraph | None:
         key_text, _, graph_text = gzip.decompress(path.read_bytes()).partition(b"\n")
         if json.loads(key_text) != key:
             return None
-        return KernelGraph.from_dict(json.loads(graph_text), source=str(path), check_hash=False)
+        return _remember(KernelGraph.from_dict(json.loads(graph_text), source=str(path), check_hash=False), path)
     except (OSError, EOFError, zlib.error, gzip.BadGzipFile, ValueError, KeyError, TypeError, GraphFormatError):
         return None
     finally:
@@ -103,7 +118,7 @@ def write(key: dict[str, Any], graph: KernelGraph, folder: Path | None = None) -
     """Keep ``graph`` under ``key`` (a cache that cannot be written is skipped: the trace stands)."""
     blob = gzip.compress(json.dumps(key, sort_keys=True).encode() + b"\n" + graph.to_json().encode(), compresslevel=1)
     with contextlib.suppress(OSError):
-        atomic_write(entry_path(key, folder), blob)
+        _remember(graph, atomic_write(entry_path(key, folder), blob))
 
 
 def trace_model_cached(model: str, phase: str, *, batch: int | None = None, seq: int | None = None,

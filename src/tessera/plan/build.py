@@ -13,18 +13,19 @@ problem has more kernels than the graph; ``StepProblem`` maps between the two.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 
-from tessera.cost.features import FeatureExtractor, KernelFeatures, is_kv_buffer
+from tessera.capture.trace_facts import graph_colocation, graph_edges
+from tessera.cost.features import FeatureExtractor, KernelFeatures, block_of, is_kv_buffer
 from tessera.cost.model import CostModel
 from tessera.cost.options import CostOptions
 from tessera.cost.profile import Profile
 from tessera.cost.routing import RoutingDistribution
-from tessera.graph.dataflow import colocation, data_edges
 from tessera.graph.ir import KernelGraph
 from tessera.hardware.cluster import SAME_DEVICE, Cluster
 from tessera.plan.config import DEFAULT_MEMORY_UTILIZATION
@@ -51,13 +52,28 @@ class StepProblem:
         return self.problem.micro_batches
 
     def problem_kernels(self) -> list[list[int]]:
-        """For each graph kernel, its problem kernels (expert parts then combine, when split)."""
+        """For each graph kernel, its problem kernels (expert parts then combine, when split); shared between
+        calls, not to be changed."""
+        return self._problem_kernels
+
+    @cached_property
+    def _problem_kernels(self) -> list[list[int]]:
         if self.mapping is None:
             return [[i] for i in range(len(self.graph.kernels))]
         out: list[list[int]] = [[] for _ in self.graph.kernels]
         for i, (k, _) in enumerate(self.mapping.origin):
             out[k].append(i)
         return out
+
+    @cached_property
+    def block_kernels(self) -> dict[str, np.ndarray]:
+        """The problem kernels of the graph's ``attention`` and ``ffn`` kernels (`block_of`, by module scope)."""
+        rows: dict[str, list[int]] = {"attention": [], "ffn": []}
+        for k, own in zip(self.graph.kernels, self.problem_kernels(), strict=True):
+            blk = block_of(k)
+            if blk in rows:
+                rows[blk] += own
+        return {blk: np.array(r, dtype=np.int64) for blk, r in rows.items()}
 
     def graph_assignment(self, assignment) -> list[int]:
         """Each graph kernel's target: its own, or its combine's when its experts were split."""
@@ -152,9 +168,10 @@ def memory_items(graph: KernelGraph, options: CostOptions, micro_batches: int, s
 def activation_peak(graph: KernelGraph) -> float:
     """Bytes of the largest single-kernel working set of activations, inputs and outputs."""
     per_kernel: dict[int, float] = defaultdict(float)
+    moving = {name for name, b in graph.buffers.items() if b.kind in ("activation", "input", "output")}
     for a in graph.accesses:
-        if graph.buffers[a.buffer].kind in ("activation", "input", "output"):
-            per_kernel[a.kernel] += float(np.prod(a.sizes)) * a.itemsize if a.sizes else a.itemsize
+        if a.buffer in moving:
+            per_kernel[a.kernel] += float(math.prod(a.sizes)) * a.itemsize if a.sizes else a.itemsize
     return max(per_kernel.values(), default=0.0)
 
 
@@ -173,9 +190,8 @@ class GraphFacts:
 
     @classmethod
     def of(cls, graph: KernelGraph, options: CostOptions, routing_skew: float = 0.0) -> GraphFacts:
-        edges = data_edges(graph)
-        return cls(FeatureExtractor(graph, options).all(), default_routing(graph, routing_skew), edges,
-                   colocation(graph, edges), activation_peak(graph), state_first(graph), graph)
+        return cls(FeatureExtractor(graph, options).all(), default_routing(graph, routing_skew), graph_edges(graph),
+                   graph_colocation(graph), activation_peak(graph), state_first(graph), graph)
 
     @cached_property
     def traffic(self) -> GraphTraffic:

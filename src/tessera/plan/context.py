@@ -14,12 +14,13 @@ from typing import Any
 import numpy as np
 
 from tessera.capture.models import resolve_model
+from tessera.capture.trace_facts import graph_layers
 from tessera.cost.features import is_kv_buffer
 from tessera.cost.options import CostOptions
 from tessera.cost.profile import Profile
 from tessera.errors import TesseraError
 from tessera.graph.ir import KernelGraph
-from tessera.graph.layers import LayerStructureError, layer_structure
+from tessera.graph.layers import LayerStructureError
 from tessera.hardware.cluster import Cluster, parse_cluster
 from tessera.plan.admission import MemoryShape, admit
 from tessera.plan.build import (
@@ -368,7 +369,7 @@ class PlanContext:
         if key not in self.cache.folded:
             sp = self.step_problem(phase, targets, micro_batches, expert_parts)
             try:
-                graph_groups = fold_groups(layer_structure(sp.graph), len(sp.graph.kernels), self.fold_chunks)
+                graph_groups = fold_groups(graph_layers(sp.graph), len(sp.graph.kernels), self.fold_chunks)
             except LayerStructureError:  # layers of several stacks interleave (e.g. text encoders): no folding
                 graph_groups = [[k] for k in range(len(sp.graph.kernels))]
             own = sp.problem_kernels()  # a split kernel's parts fold with the same parts of the other layers

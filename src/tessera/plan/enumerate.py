@@ -16,6 +16,7 @@ from tessera.plan.problem import OBJECTIVES, Placement, PlacementProblem, Placem
 
 MAX_ASSIGNMENTS = 2_000_000
 _MEMORY_SLACK = 1e-9  # relative: a device holding exactly its capacity fits
+_FEW_ASSIGNMENTS = 4  # memory_use of at most this many assignments is summed per device in Python
 
 
 def allowed_devices(problem: PlacementProblem) -> list[list[int]]:
@@ -128,6 +129,14 @@ def memory_use(problem: PlacementProblem, a: np.ndarray) -> np.ndarray:
     if not len(e.items):
         return np.zeros((len(a), nd))
     sizes = problem.memory.item_bytes[e.items]
+    if len(a) <= _FEW_ASSIGNMENTS:  # Python floats, held items only: the same additions (x + 0.0 is x)
+        out = np.zeros((len(a), nd))
+        for n, d in np.ndindex(len(a), nd):
+            total = 0.0
+            for size in sizes[held[:, n, d]].tolist():
+                total += size
+            out[n, d] = total
+        return out
     use = held[0] * sizes[0]
     for j in range(1, len(sizes)):  # summed item after item: the same sums as adding them one by one
         use += held[j] * sizes[j]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -152,8 +153,15 @@ class SplitMapping:
 
     def parts_of(self, original: int) -> list[int]:
         """New indices of the expert parts of ``original`` in part order (empty if it was not split)."""
-        found = sorted((tag, i) for i, (o, tag) in enumerate(self.origin) if o == original and isinstance(tag, int))
-        return [i for _, i in found]
+        return list(self._parts.get(original, ()))
+
+    @cached_property
+    def _parts(self) -> dict[int, list[int]]:
+        found: dict[int, list[tuple[int, int]]] = {}
+        for i, (o, tag) in enumerate(self.origin):
+            if isinstance(tag, int):
+                found.setdefault(o, []).append((tag, i))
+        return {o: [i for _, i in sorted(parts)] for o, parts in found.items()}
 
     def then(self, later: SplitMapping) -> SplitMapping:
         """The mapping of this split followed by ``later`` (a split of the problem this one produced)."""

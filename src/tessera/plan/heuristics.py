@@ -22,6 +22,7 @@ search from the best placement while restarts help and budget is left.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import random
@@ -126,12 +127,14 @@ def pipeline_assignments(problem: PlacementProblem) -> list[np.ndarray]:
     finite = np.where(ok, problem.times, 0.0)
     big = 10.0 * float(finite.sum()) + 1.0  # a stage never takes a kernel it cannot run (unless it must)
     prefix = np.vstack([np.zeros(nd), np.cumsum(np.where(ok, problem.times, big), axis=0)])
+    columns = [prefix[:, d].tolist() for d in range(nd)]  # bisect on lists: searchsorted's answer, 10x sooner
     out = []
     for order in _device_orders(nd, finite):
         def split(cap: float, order=order) -> list[int] | None:
             bounds, b = [0], 0
             for d in order:
-                b = int(np.searchsorted(prefix[:, d], prefix[b, d] + cap, side="right")) - 1
+                column = columns[d]
+                b = bisect.bisect_right(column, column[b] + cap) - 1
                 bounds.append(b)
                 if b >= k:
                     return bounds

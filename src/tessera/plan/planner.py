@@ -4,6 +4,7 @@ carries the case's upper bound on throughput (:mod:`tessera.plan.bound`)."""
 from __future__ import annotations
 
 from tessera.plan.bound import upper_bound
+from tessera.plan.collector import without_collector
 from tessera.plan.config import POLICIES, check_policy
 from tessera.plan.context import PlanContext, PlanningError
 from tessera.plan.deployment import DeploymentPlan
@@ -35,6 +36,7 @@ def _infeasible(ctx: PlanContext, policy: str, reason: str, device: str | None =
     return plan
 
 
+@without_collector
 def baselines(ctx: PlanContext, objective: str = "throughput") -> list[DeploymentPlan]:
     """Every baseline policy's best plan (homogeneous once per device type), in the policy list's order."""
     out = []
@@ -64,6 +66,7 @@ def with_bound(ctx: PlanContext, plans: list[DeploymentPlan]) -> list[Deployment
     return plans
 
 
+@without_collector
 def plan_policy(ctx: PlanContext, policy: str = "tessera", objective: str = "throughput",
                 device: str | None = None) -> DeploymentPlan:
     """The best plan of one policy (Tessera also weighs the baselines, which its search space contains),
@@ -96,6 +99,7 @@ def _plan_policy(ctx: PlanContext, policy: str, objective: str, device: str | No
     return _BASELINES[policy](ctx, objective)
 
 
+@without_collector
 def compare(ctx: PlanContext, objective: str = "throughput") -> list[DeploymentPlan]:
     """Every policy's best plan: the baselines, then Tessera (which weighs them all); each with the case's
     upper bound on throughput."""

@@ -25,9 +25,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from tessera.cost.features import block_of
+from tessera.capture.trace_facts import graph_layers
 from tessera.errors import TesseraError
-from tessera.graph.layers import layer_structure
 from tessera.plan.admission import round_batch
 from tessera.plan.config import DEFAULT_MIX_MIN_GAIN, PolicyError
 from tessera.plan.context import Chosen, PhaseSpec, PlanContext, PlanningError
@@ -311,11 +310,10 @@ def _solve_folded(ctx: PlanContext, phase: PhaseSpec, targets: list[Target], m: 
 def _block_allowed(sp, att: int, ffn: int) -> np.ndarray:
     """Attention kernels only on ``att``, FFN kernels only on ``ffn``, others anywhere."""
     allowed = np.ones(sp.problem.times.shape, dtype=bool)
-    for k, own in zip(sp.graph.kernels, sp.problem_kernels(), strict=True):
-        blk = block_of(k)
-        if blk in ("attention", "ffn"):
-            allowed[own] = False
-            allowed[own, att if blk == "attention" else ffn] = True
+    for blk, target in (("attention", att), ("ffn", ffn)):
+        rows = sp.block_kernels[blk]
+        allowed[rows] = False
+        allowed[rows, target] = True
     return allowed
 
 
@@ -446,7 +444,7 @@ def layer_pipeline(outer: PlanContext, objective: str) -> DeploymentPlan:
         ms = ctx.micro_batch_options(main) if objective == "throughput" else [1]
         for m in ms:
             sp = ctx.step_problem(main, targets, m)
-            structure = layer_structure(sp.graph)
+            structure = graph_layers(sp.graph)
             merged = merge(sp.problem, layer_groups(structure, sp.problem.kernels))
             layers = sorted(structure.spans)
             classes = device_classes(sp.problem, *(ctx.step_problem(ph, targets).problem for ph in ctx.phases

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -148,6 +149,12 @@ class PlacementProblem:
     @property
     def kernels(self) -> int:
         return self.times.shape[0]
+
+    @cached_property
+    def evaluations(self) -> dict[bytes, Any]:
+        """`tessera.plan.step_evaluation.evaluate`'s answers for this problem by assignment (a search assembles
+        the same placements many times; a problem is not changed after it is built)."""
+        return {}
 
     @cached_property
     def edge_arrays(self) -> EdgeArrays:

@@ -38,8 +38,16 @@ class StepEvaluation:
 
 def evaluate(problem: PlacementProblem, assignment: tuple[int, ...] | list[int]) -> StepEvaluation:
     """The throughput and latency objectives of ``assignment`` and what makes them up (the enumerator's
-    evaluators, for one assignment)."""
-    a = np.asarray(assignment, dtype=int)
+    evaluators, for one assignment; computed once per problem and assignment)."""
+    a = np.asarray(assignment, dtype=np.int64)
+    known = problem.evaluations
+    key = a.tobytes()
+    if key not in known:
+        known[key] = _evaluate(problem, a)
+    return known[key]
+
+
+def _evaluate(problem: PlacementProblem, a: np.ndarray) -> StepEvaluation:
     one = a[None, :]
     m = problem.micro_batches
     busy = busy_times(problem, one)[0] * m
