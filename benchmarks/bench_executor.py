@@ -4,8 +4,8 @@ Usage: ``python benchmarks/bench_executor.py [--threads 1] [--repeats 20] [--gra
 [--save FILE] [--check FILE]``.
 
 Each graph is traced as `tessera serve` traces it (32 slots, context 512), loaded with the real weights, and
-stepped ``--repeats`` times with `Executor.run` on fixed inputs (decode rows at position 63 of a cache filled by
-a prefill). Reported per graph: the step's wall time (min and median) and, from one step under cProfile, the
+stepped ``--repeats`` times with `Executor.run` on fixed inputs (decode rows at position ``--position``, 63 by
+default, of a cache filled by a prefill). Reported per graph: the step's wall time (min and median) and, from one step under cProfile, the
 seconds in torch's C++ ops against Python (the executor's, tessera's kernel bodies', torch's around custom
 ops), per kernel call. ``--save`` writes every step output; ``--check`` compares against such a file and
 fails unless they are bit for bit equal (the same tokens and logits before and after an executor change).
@@ -40,13 +40,13 @@ def graph_for(name: str):
                        slots=SLOTS if int(rows) != SLOTS else None)
 
 
-def inputs_for(graph, name: str) -> dict[str, torch.Tensor]:
-    """Fixed step inputs: token ids from a seeded generator, rows in slots 0.., decode at position PROMPT - 1."""
+def inputs_for(graph, name: str, position: int = PROMPT - 1) -> dict[str, torch.Tensor]:
+    """Fixed step inputs: token ids from a seeded generator, rows in slots 0.., decode at ``position``."""
     gen = torch.Generator().manual_seed(0)
     shape = graph.buffers["input_ids"].shape
     out = {"input_ids": torch.randint(100, 20000, shape, generator=gen), "slots": torch.arange(shape[0])}
     if name.startswith("decode"):
-        out["positions"] = torch.full((shape[0],), PROMPT - 1)
+        out["positions"] = torch.full((shape[0],), position)
     return out
 
 
@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--graphs", default="decode@32,prefill@8x64")
+    ap.add_argument("--position", type=int, default=PROMPT - 1, help="decode rows' position (context - 1)")
     ap.add_argument("--save", default=None)
     ap.add_argument("--check", default=None)
     args = ap.parse_args()
@@ -100,7 +101,7 @@ def main() -> None:
     executors["prefill@8x64"].run(inputs_for(graphs["prefill@8x64"], "prefill@8x64"), state)  # fill the cache
     results = {}
     for name in names:
-        ex, inputs = executors[name], inputs_for(graphs[name], name)
+        ex, inputs = executors[name], inputs_for(graphs[name], name, args.position)
         snapshot = {k: v.clone() for k, v in state.items()}
         times = []
         for _ in range(args.repeats):

@@ -66,6 +66,7 @@ def main() -> None:
     profiling = threading.Event()
     lanes = getattr(engine, "lanes", None)
     if lanes is None:
+        engine.stop()  # its workers would outlive this process
         raise SystemExit("profile_serve.py profiles one engine (its lanes); request-dist replicas are engines of "
                          "their own: bench them with tessera bench")
     start_step, end_step, backend_run = lanes.start, lanes.finish, engine.backend.run
