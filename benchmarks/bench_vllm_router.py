@@ -15,7 +15,8 @@ Deployments (smollm2-135m, each GPU target of a plan stood in for by one cpu wor
 - ``tessera``: `tessera serve --cluster cpu:2 --slots 64` (Tessera's own kernel-level runtime, its default policy);
 - ``tessera-cpu2``: `tessera serve --cluster cpu:2` with its defaults (issue 32's must-show), and
   ``tessera-local``: `tessera serve --local --threads 2` (one process on both cores), its peer; the same with
-  ``--slots 32`` (``tessera-cpu2-s32``, ``tessera-local-s32``, and ``tessera-local1-s32`` at one thread); not in
+  ``--slots 32`` (``tessera-cpu2-s32``, ``tessera-local-s32``, and ``tessera-local1-s32`` at one thread; cpu:2 under a
+  named policy: ``tessera-cpu2-rd-s32`` request-dist, ``-pd-`` prefill-decode, ``-lp-`` layer-pipeline); not in
   the default set: ``--only tessera-cpu2,tessera-local --workloads "fixed:in=64,out=32,requests=32"``.
 
 Every vLLM engine runs with prefix caching off (the bench's prompts repeat one word) and eager mode; each
@@ -61,9 +62,14 @@ DEPLOYMENTS = {
     "tessera-cpu2-s32": ["--cluster", "cpu:2", "--slots", "32"],
     "tessera-local-s32": ["--local", "--threads", "2", "--slots", "32"],
     "tessera-local1-s32": ["--local", "--threads", "1", "--slots", "32"],
+    # cpu:2 under each named policy instead of the planner's choice (`tessera`)
+    "tessera-cpu2-rd-s32": ["--cluster", "cpu:2", "--slots", "32", "--policy", "request-dist"],
+    "tessera-cpu2-pd-s32": ["--cluster", "cpu:2", "--slots", "32", "--policy", "prefill-decode"],
+    "tessera-cpu2-lp-s32": ["--cluster", "cpu:2", "--slots", "32", "--policy", "layer-pipeline"],
 }
 OPTIONAL = ("vllm-1-core", "tessera-cpu2", "tessera-local", "tessera-cpu2-s32", "tessera-local-s32",
-            "tessera-local1-s32")  # run when named in --only
+            "tessera-local1-s32", "tessera-cpu2-rd-s32", "tessera-cpu2-pd-s32",
+            "tessera-cpu2-lp-s32")  # run when named in --only
 
 
 def start(name: str, log: Path) -> tuple[subprocess.Popen, str]:

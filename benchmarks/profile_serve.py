@@ -64,32 +64,48 @@ def main() -> None:
     steps: list[tuple] = []  # phase, requests, tokens, wall, backend seconds, busy seconds by device, rows, seq
     profiler = cProfile.Profile()
     profiling = threading.Event()
-    run_step, backend_run = engine._run_step, engine.backend.run
+    lanes = getattr(engine, "lanes", None)
+    if lanes is None:
+        engine.stop()  # its workers would outlive this process
+        raise SystemExit("profile_serve.py profiles one engine (its lanes); request-dist replicas are engines of "
+                         "their own: bench them with tessera bench")
+    start_step, end_step, backend_run = lanes.start, lanes.finish, engine.backend.run
+    started: dict[int, tuple[float, dict, float]] = {}  # id(step) -> start time, busy then, backend seconds
 
-    def timed_run(phase, inputs, owners=()):
+    def timed_run(phase, inputs, owners=()):  # a local backend runs the step inside submit
         t0 = time.perf_counter()
         out = backend_run(phase, inputs, owners)
         timed_run.seconds = time.perf_counter() - t0
         return out
 
-    def profiled_step(step):
-        busy0 = engine.backend.busy_s()
-        t0 = time.perf_counter()
+    def profiled_start(step):
+        busy0, t0 = engine.backend.busy_s(), time.perf_counter()
+        timed_run.seconds = None
         if profiling.is_set():
             profiler.enable()
         try:
-            run_step(step)
+            return start_step(step)
         finally:
             profiler.disable()
+            started[id(step)] = (t0, busy0, timed_run.seconds)
+
+    def profiled_end(step, handle, context):
+        if profiling.is_set():
+            profiler.enable()
+        try:
+            end_step(step, handle, context)
+        finally:
+            profiler.disable()
+        t0, busy0, backend_s = started.pop(id(step))
         wall = time.perf_counter() - t0
         busy1 = engine.backend.busy_s()
         tokens = sum(r.context - 1 if step.phase == "prefill" else r.context for r in step.requests)
-        if profiling.is_set():
-            steps.append((step.phase, len(step.requests), tokens, wall, timed_run.seconds,
+        if profiling.is_set():  # steps in flight on workers: their wall times overlap, the backend's is the wall
+            steps.append((step.phase, len(step.requests), tokens, wall, wall if backend_s is None else backend_s,
                           {d: busy1[d] - busy0.get(d, 0.0) for d in busy1}, step.rows, step.seq))
 
     engine.backend.run = timed_run
-    engine._run_step = profiled_step
+    lanes.start, lanes.finish = profiled_start, profiled_end
 
     def serve(n: int, out: int) -> tuple[float, list[float]]:
         done = threading.Barrier(n + 1)
@@ -166,6 +182,7 @@ def main() -> None:
     total = sum(parts.values())
     print(f"cProfile of the engine thread, steps only (its own cost inflates the Python parts): {total:.2f} s")
     calls = next((v[1] for k, v in stats.stats.items() if k[2] == "run_kernel" and "executor" in k[0]), 0)
+    print(f"  Python function calls per kernel call: {stats.total_calls / max(calls, 1):.1f}")
     for what, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
         per = f", {seconds / calls * 1e6:.1f} us per kernel call" if calls else ""
         print(f"  {what}: {seconds:.2f} s ({seconds / total:.0%}{per})")

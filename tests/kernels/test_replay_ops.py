@@ -20,3 +20,38 @@ def test_a_broadcast_bmm_gives_bmm_s_bits_in_every_dtype_and_any_other_bmm_is_bm
     a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 5)  # a real batch of matrices
     assert torch.equal(broadcast_bmm(a, b), torch.bmm(a, b))
     assert replay_op("aten.bmm.default") is broadcast_bmm and replay_op("aten.mm.default") is None
+
+
+def test_every_tessera_op_replays_as_its_body_with_the_op_s_bits():
+    import tessera.kernels  # noqa: F401  (registers every tessera op)
+    from tessera.kernels.bodies import BODIES
+
+    registered = {f"tessera.{n}.default" for n in dir(torch.ops.tessera)
+                  if isinstance(getattr(torch.ops.tessera, n), torch._ops.OpOverloadPacket)}
+    assert set(BODIES) == registered and len(BODIES) >= 30  # every op tessera.kernels registers
+    for name in BODIES:
+        assert replay_op(name) is BODIES[name]
+    torch.manual_seed(0)
+    x, res, w = torch.randn(3, 5, 64, dtype=torch.bfloat16), torch.randn(3, 5, 64, dtype=torch.bfloat16), torch.randn(64)
+    assert torch.equal(replay_op("tessera.rms_norm.default")(x, w.bfloat16(), 1e-5),
+                       torch.ops.tessera.rms_norm.default(x, w.bfloat16(), 1e-5))
+    got = replay_op("tessera.add_rms_norm.default")(x, res, w.bfloat16(), 1e-6, True)
+    want = torch.ops.tessera.add_rms_norm.default(x, res, w.bfloat16(), 1e-6, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    q, k = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 3, 16)
+    q2, k2 = q.clone(), k.clone()
+    positions, inv_freq = torch.tensor([[5, 6, 7], [0, 1, 2]]), torch.rand(8)
+    replay_op("tessera.rotary_.default")(q, k, positions, inv_freq, 1.0)  # in place, as the op
+    torch.ops.tessera.rotary_.default(q2, k2, positions, inv_freq, 1.0)
+    assert torch.equal(q, q2) and torch.equal(k, k2) and not torch.equal(q, torch.zeros_like(q))
+
+
+def test_replaying_a_tessera_op_as_its_body_does_not_import_dynamo():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; import tessera.kernels; from tessera.kernels.replay import replay_op; "
+            "replay_op('tessera.rms_norm.default')(torch.randn(2, 8), torch.ones(8), 1e-5); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from tessera.graph.opclass import register_fused
+from tessera.kernels.bodies import custom_op
 
 
-@torch.library.custom_op("tessera::silu_and_mul", mutates_args=())
+@custom_op("tessera::silu_and_mul", mutates_args=())
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..,:F]) * x[..,F:] -> [..,F]."""
     f = x.shape[-1] // 2
@@ -27,7 +28,7 @@ def _(x):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
-@torch.library.custom_op("tessera::gelu_tanh_and_mul", mutates_args=())
+@custom_op("tessera::gelu_tanh_and_mul", mutates_args=())
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(x[..,:F]) * x[..,F:] -> [..,F]."""
     f = x.shape[-1] // 2

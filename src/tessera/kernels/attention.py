@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.graph.opclass import register_fused
+from tessera.kernels.bodies import custom_op
 
 
 def _sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
@@ -32,7 +33,7 @@ def _sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
                                           attn_mask=bias, scale=scale, enable_gqa=True)
 
 
-@torch.library.custom_op("tessera::prefill_attention", mutates_args=())
+@custom_op("tessera::prefill_attention", mutates_args=())
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
                       sinks: torch.Tensor | None) -> torch.Tensor:
     """Causal attention of S new tokens. q [B,H,S,D], k/v [B,KVH,S,D] -> [B,S,H,D]."""
@@ -54,7 +55,7 @@ def _(q, k, v, scale, window, sinks):
     return q.new_empty(b, s, h, v.shape[-1])
 
 
-@torch.library.custom_op("tessera::decode_attention", mutates_args=())
+@custom_op("tessera::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      positions: torch.Tensor, scale: float, window: int,
                      sinks: torch.Tensor | None) -> torch.Tensor:
@@ -81,7 +82,7 @@ def _(q, k_cache, v_cache, slots, positions, scale, window, sinks):
     return q.new_empty(b, s, h, v_cache.shape[-1])
 
 
-@torch.library.custom_op("tessera::segment_attention", mutates_args=())
+@custom_op("tessera::segment_attention", mutates_args=())
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
                       scale: float) -> torch.Tensor:
     """Bidirectional attention within consecutive segments of a packed sequence (vision windows).

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 from tessera.graph.opclass import register_fused
+from tessera.kernels.bodies import custom_op
 
 
-@torch.library.custom_op("tessera::kv_write", mutates_args=("k_cache", "v_cache"))
+@custom_op("tessera::kv_write", mutates_args=("k_cache", "v_cache"))
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor, positions: torch.Tensor | None) -> None:
     """k/v [B,KVH,S,D] into k_cache/v_cache [slots,KVH,ctx,D]; slots [B]; positions [B] (decode) or None."""

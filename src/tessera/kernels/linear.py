@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from tessera.graph.opclass import register_fused
+from tessera.kernels.bodies import custom_op
 
 
-@torch.library.custom_op("tessera::merged_linear", mutates_args=())
+@custom_op("tessera::merged_linear", mutates_args=())
 def merged_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
     """x [..,K] @ cat(weights [N_i,K]).T (+ cat(biases [N_i])) -> [.., sum N_i], one GEMM.
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.graph.opclass import register_fused
+from tessera.kernels.bodies import custom_op
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -71,7 +72,7 @@ def _segsum_exp(dA_cumsum: torch.Tensor) -> torch.Tensor:
 # Residual add + RMSNorm
 
 
-@torch.library.custom_op("tessera::mamba_add_rms_norm", mutates_args=())
+@custom_op("tessera::mamba_add_rms_norm", mutates_args=())
 def mamba_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                        residual_fp32: bool, cast_input: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add then RMSNorm, the way a Mamba2 block carries its residual stream.
@@ -103,7 +104,7 @@ register_fused("mamba_add_rms_norm", "norm", flops=lambda a, k, out: 6 * a[0].nu
 # Depthwise causal conv1d
 
 
-@torch.library.custom_op("tessera::causal_conv1d_update", mutates_args=("conv_state",))
+@custom_op("tessera::causal_conv1d_update", mutates_args=("conv_state",))
 def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
     """Decode: shift each row's new input into its conv window and convolve it.
@@ -138,7 +139,7 @@ register_fused("causal_conv1d_update", "elementwise",
                flops=lambda a, k, out: a[0].numel() * (2 * a[3].shape[-1] + 5), traffic=_conv_update_traffic)
 
 
-@torch.library.custom_op("tessera::causal_conv1d", mutates_args=("conv_state",))
+@custom_op("tessera::causal_conv1d", mutates_args=("conv_state",))
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
                   slots: torch.Tensor, silu: bool, chunk: int) -> torch.Tensor:
     """Prefill: causal depthwise conv over each row's prompt (from a zero window); writes the row's last K
@@ -180,7 +181,7 @@ register_fused("causal_conv1d", "elementwise",
 # Decode: one step of the SSM recurrence
 
 
-@torch.library.custom_op("tessera::selective_state_update", mutates_args=("ssm_state",))
+@custom_op("tessera::selective_state_update", mutates_args=("ssm_state",))
 def selective_state_update(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor,
                            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
                            slots: torch.Tensor) -> torch.Tensor:
@@ -238,7 +239,7 @@ register_fused("selective_state_update", "elementwise", flops=_ssu_flops, traffi
 # x [B, nc, L, H, P], B/C [B, nc, L, G, N].
 
 
-@torch.library.custom_op("tessera::ssd_chunk_cumsum", mutates_args=())
+@custom_op("tessera::ssd_chunk_cumsum", mutates_args=())
 def ssd_chunk_cumsum(dt: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, chunk: int, dt_min: float,
                      dt_max: float) -> tuple[torch.Tensor, torch.Tensor]:
     """dt [B, S, H] -> (dt = clamp(softplus(dt + dt_bias)) [B, H, nc, L] float32, zero on the padding;
@@ -264,7 +265,7 @@ def _(dt, dt_bias, A_log, chunk, dt_min, dt_max):
 register_fused("ssd_chunk_cumsum", "scan", flops=lambda a, k, out: 12 * out[0].numel())
 
 
-@torch.library.custom_op("tessera::ssd_chunk_state", mutates_args=())
+@custom_op("tessera::ssd_chunk_state", mutates_args=())
 def ssd_chunk_state(B: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, dA_cumsum: torch.Tensor) -> torch.Tensor:
     """Each chunk's own final state (from zero): sum over its positions l of
     exp(dA_cs[last] - dA_cs[l]) dt[l] x[l] B[l]^T.
@@ -294,7 +295,7 @@ register_fused("ssd_chunk_state", "gemm", gemm=_chunk_state_gemm,
                flops=lambda a, k, out: 2 * out.numel() * a[1].shape[2])
 
 
-@torch.library.custom_op("tessera::ssd_state_passing", mutates_args=("ssm_state",))
+@custom_op("tessera::ssd_state_passing", mutates_args=("ssm_state",))
 def ssd_state_passing(states: torch.Tensor, dA_cumsum: torch.Tensor, ssm_state: torch.Tensor,
                       slots: torch.Tensor) -> torch.Tensor:
     """The recurrence across chunks (from a zero initial state): the state at the start of each chunk, and
@@ -327,7 +328,7 @@ register_fused("ssd_state_passing", "scan", flops=lambda a, k, out: 2 * a[0].num
                traffic=_state_passing_traffic)
 
 
-@torch.library.custom_op("tessera::ssd_bmm_chunk", mutates_args=())
+@custom_op("tessera::ssd_bmm_chunk", mutates_args=())
 def ssd_bmm_chunk(C: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """C B^T within each chunk, per group: C/B [B, nc, L, G, N] -> CB [B, nc, G, L, L] float32."""
     return torch.einsum("bclgn,bcsgn->bcgls", C.float(), B.float()).contiguous()
@@ -348,7 +349,7 @@ register_fused("ssd_bmm_chunk", "gemm", gemm=_bmm_chunk_gemm,
                flops=lambda a, k, out: 2 * out.numel() * a[0].shape[-1])
 
 
-@torch.library.custom_op("tessera::ssd_chunk_scan", mutates_args=())
+@custom_op("tessera::ssd_chunk_scan", mutates_args=())
 def ssd_chunk_scan(x: torch.Tensor, CB: torch.Tensor, dt: torch.Tensor, dA_cumsum: torch.Tensor, C: torch.Tensor,
                    states: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
     """The output: within-chunk (CB masked by the decay, applied to dt x) plus the chunk-start state read
@@ -393,7 +394,7 @@ register_fused("ssd_chunk_scan", "gemm", gemm=_chunk_scan_gemm, flops=_chunk_sca
 # Gated RMSNorm
 
 
-@torch.library.custom_op("tessera::gated_rms_norm", mutates_args=())
+@custom_op("tessera::gated_rms_norm", mutates_args=())
 def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
                    eps: float) -> torch.Tensor:
     """RMSNorm of y * silu(z) over groups of ``group_size`` channels (Hugging Face's MambaRMSNormGated,

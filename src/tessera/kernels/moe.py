@@ -21,13 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from tessera.graph.opclass import register_fused
+from tessera.kernels.bodies import custom_op
 from tessera.kernels.mxfp4 import dequantize_weight
 
 # ---------------------------------------------------------------------------------------------------
 # Routing
 
 
-@torch.library.custom_op("tessera::topk_gating", mutates_args=())
+@custom_op("tessera::topk_gating", mutates_args=())
 def topk_gating(logits: torch.Tensor, top_k: int, softmax_first: bool,
                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The k experts of each token and their weights. logits [T,E] -> (weights [T,k] in logits' dtype,
@@ -53,7 +54,7 @@ def _(logits, top_k, softmax_first, renormalize):
     return logits.new_empty(t, top_k), logits.new_empty(t, top_k, dtype=torch.long)
 
 
-@torch.library.custom_op("tessera::moe_align", mutates_args=())
+@custom_op("tessera::moe_align", mutates_args=())
 def moe_align(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the token-expert assignments by expert. expert_ids [T,k] -> (perm [T*k] int64, offsets [E]
     int32).
@@ -96,7 +97,7 @@ def _grouped(x: torch.Tensor, weight_of, offsets: torch.Tensor, perm: torch.Tens
     return out
 
 
-@torch.library.custom_op("tessera::moe_gemm", mutates_args=())
+@custom_op("tessera::moe_gemm", mutates_args=())
 def moe_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, perm: torch.Tensor | None,
              bias: torch.Tensor | None, top_k: int, transposed: bool) -> torch.Tensor:
     """Grouped GEMM over rows sorted by expert (bf16 weights). -> [M, N].
@@ -119,7 +120,7 @@ def _(x, weight, offsets, perm, bias, top_k, transposed):
     return x.new_empty(m, weight.shape[2] if transposed else weight.shape[1])
 
 
-@torch.library.custom_op("tessera::moe_mxfp4_gemm", mutates_args=())
+@custom_op("tessera::moe_mxfp4_gemm", mutates_args=())
 def moe_mxfp4_gemm(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                    perm: torch.Tensor | None, bias: torch.Tensor | None, top_k: int) -> torch.Tensor:
     """Grouped GEMM on MXFP4 weights (gpt-oss's native format). -> [M, N].
@@ -142,7 +143,7 @@ def _(x, blocks, scales, offsets, perm, bias, top_k):
 # Activations and the weighted un-permuting sum
 
 
-@torch.library.custom_op("tessera::swigluoai_and_mul", mutates_args=())
+@custom_op("tessera::swigluoai_and_mul", mutates_args=())
 def swigluoai_and_mul(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """gpt-oss's clamped SwiGLU on INTERLEAVED gate/up columns. x [M, 2I] -> [M, I]:
     gate = x[:, 0::2] clamped above at ``limit``, up = x[:, 1::2] clamped to +-``limit``,
@@ -158,7 +159,7 @@ def _(x, alpha, limit):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
-@torch.library.custom_op("tessera::moe_sum", mutates_args=())
+@custom_op("tessera::moe_sum", mutates_args=())
 def moe_sum(x: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weight the expert rows by their top-k weights, un-permute and sum each token's k rows.
 

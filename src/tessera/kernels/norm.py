@@ -15,6 +15,7 @@ import math
 import torch
 
 from tessera.graph.opclass import register_fused
+from tessera.kernels.bodies import custom_op
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_scale: bool) -> torch.Tensor:
@@ -27,7 +28,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_scale: bool) ->
     return weight * h.to(dtype)
 
 
-@torch.library.custom_op("tessera::rms_norm", mutates_args=())
+@custom_op("tessera::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_scale: bool = False) -> torch.Tensor:
     """RMSNorm over the last dimension. x [..,H], weight [H] -> [..,H]."""
     return _rms(x, weight, eps, fp32_scale)
@@ -39,7 +40,7 @@ def _(x, weight, eps, fp32_scale=False):
                        device=x.device)
 
 
-@torch.library.custom_op("tessera::add_rms_norm", mutates_args=())
+@custom_op("tessera::add_rms_norm", mutates_args=())
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  fp32_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """summed = x + residual; (RMSNorm(summed), summed). x, residual [..,H], weight [H]."""

@@ -9,11 +9,16 @@ PyTorch's CPU bmm multiplies by the expanded weight far slower than a GEMM per b
 itself (smollm2-135m's LM head, 49152 x 576, eight rows: 197 ms against 37 ms), which gives the same bits;
 one GEMM over all the rows would be faster still, but its bits differ from bmm's (fp32, four rows or more),
 so it is not used. In fp32 bmm is as fast as the per-entry GEMMs and runs as traced.
+
+Tessera's own custom ops replay as their Python bodies (`tessera.kernels.bodies`): the same torch ops, without
+the tens of microseconds torch's custom-op wrappers add to every call.
 """
 
 from __future__ import annotations
 
 import torch
+
+from tessera.kernels.bodies import body
 
 
 def broadcast_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -33,5 +38,6 @@ REPLACEMENTS = {"aten.bmm.default": broadcast_bmm}
 
 
 def replay_op(name: str):
-    """The faster replay of the traced op ``name``, or None when it has none."""
-    return REPLACEMENTS.get(name)
+    """The faster replay of the traced op ``name`` (a replacement, or a tessera op's body), or None when it has
+    none."""
+    return REPLACEMENTS.get(name) or body(name)

@@ -15,6 +15,7 @@ import math
 import torch
 
 from tessera.graph.opclass import register_fused
+from tessera.kernels.bodies import custom_op
 
 
 def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -32,7 +33,7 @@ def _cos_sin(freqs: torch.Tensor, scaling: float, dtype: torch.dtype) -> tuple[t
     return (freqs.cos() * scaling).to(dtype), (freqs.sin() * scaling).to(dtype)
 
 
-@torch.library.custom_op("tessera::rotary_", mutates_args=("q", "k"))
+@custom_op("tessera::rotary_", mutates_args=("q", "k"))
 def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None, inv_freq: torch.Tensor,
             scaling: float) -> None:
     """Rotate q [B,H,S,D] and k [B,KVH,S,D] in place; positions [B,S] (None: 0..S-1), inv_freq [D/2]."""
@@ -50,7 +51,7 @@ def _(q, k, positions, inv_freq, scaling):
     return None
 
 
-@torch.library.custom_op("tessera::mrope_", mutates_args=("q", "k"))
+@custom_op("tessera::mrope_", mutates_args=("q", "k"))
 def mrope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
            sections: list[int], scaling: float) -> None:
     """Multimodal RoPE (Qwen2-VL / Qwen2.5-VL) in place: positions [3,B,S] (temporal, height, width);

@@ -23,6 +23,7 @@ import math
 import torch
 
 from tessera.graph.opclass import register_fused
+from tessera.kernels.bodies import custom_op
 
 # Step inputs of the sampler and the value each takes when a caller leaves it out (greedy).
 SAMPLING_DEFAULTS: dict[str, tuple[float | int, torch.dtype]] = {
@@ -36,7 +37,7 @@ _MAX_TEMPERATURE = 1e30  # hotter is uniform within float64 anyway
 _TOP_CANDIDATES = 512  # tokens ranked before falling back to a full sort of the row
 
 
-@torch.library.custom_op("tessera::sample", mutates_args=())
+@custom_op("tessera::sample", mutates_args=())
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
            seeds: torch.Tensor) -> torch.Tensor:
     """logits [B, V], temperature [B] f32, top_p [B] f32, seeds [B] i64 -> tokens [B] i64."""

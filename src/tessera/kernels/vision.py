@@ -19,12 +19,13 @@ from __future__ import annotations
 import torch
 
 from tessera.graph.opclass import register_fused
+from tessera.kernels.bodies import custom_op
 
 # ---------------------------------------------------------------------------------------------------
 # Rotary embedding
 
 
-@torch.library.custom_op("tessera::vision_rope_cos_sin", mutates_args=())
+@custom_op("tessera::vision_rope_cos_sin", mutates_args=())
 def vision_rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Axial rotary table. position_ids [N,2] (row, column), inv_freq [D/4] -> cos, sin [N,D] float32."""
     freqs = position_ids[..., None].float() * inv_freq.float()  # [N,2,D/4]
@@ -39,7 +40,7 @@ def _(position_ids, inv_freq):
     return (position_ids.new_empty(n, d, dtype=torch.float32), position_ids.new_empty(n, d, dtype=torch.float32))
 
 
-@torch.library.custom_op("tessera::vision_rotary_", mutates_args=("q", "k"))
+@custom_op("tessera::vision_rotary_", mutates_args=("q", "k"))
 def vision_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate-half RoPE over the whole head dim, in place. q, k [N,H,D] (any strides), cos/sin [N,D]."""
     c, s = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()

@@ -50,6 +50,7 @@ class Executor:
         self.batch_invariant = batch_invariant
         self.storages: dict[str, torch.UntypedStorage] = {}
         self._static: dict[str, torch.UntypedStorage] = {}
+        self._static_views: dict[str, dict[tuple, torch.Tensor]] = {}  # weight / constant -> view key -> view
         self._calls: dict[int, _Call] = {}
         self.instances: list[dict[str, torch.UntypedStorage]] = []  # per micro-batch: buffer -> storage
         self._view_caches: list[dict] = [{}]  # per micro-batch: buffer -> view key -> (storage, tensor)
@@ -191,8 +192,23 @@ class Executor:
     def _compiled(self, index: int) -> _Call:
         call = self._calls.get(index)
         if call is None:
-            call = self._calls[index] = _Call.compile(self.graph, index, self.device, self.batch_invariant)
+            call = _Call.compile(self.graph, index, self.device, self.batch_invariant)
+            # weights and constants never change storage: their views are bound once, not refilled every call
+            static = [h for h in call.holes if h[2].buffer in self._static]
+            for container, key, slot in static:
+                container[key] = self._static_view(slot)
+            call.holes = [h for h in call.holes if h[2].buffer not in self._static]
+            self._calls[index] = call
         return call
+
+    def _static_view(self, slot: _Slot) -> torch.Tensor:
+        """The view ``slot`` of a weight or constant, shared by every kernel that reads it so."""
+        views = self._static_views.setdefault(slot.buffer, {})
+        t = views.get(slot.key)
+        if t is None:
+            t = views[slot.key] = torch.empty(0, dtype=slot.dtype, device=self.device).set_(
+                self._static[slot.buffer], slot.offset, slot.sizes, slot.strides)
+        return t
 
     def bind_kernel(self, index: int) -> tuple[Any, list[Any], dict[str, Any]]:
         """The op of kernel ``index`` and its arguments as tensors over the current storages.
@@ -206,7 +222,7 @@ class Executor:
 
     def run_kernel(self, index: int) -> None:
         """Run kernel ``index`` once on the current storages and bind the buffers it produces."""
-        call = self._compiled(index)
+        call = self._calls.get(index) or self._compiled(index)
         call.fill(self.storages, self._views, self._tensor)
         try:
             if torch.is_grad_enabled():
@@ -221,7 +237,10 @@ class Executor:
             if call.out is not None:
                 self._bind_output(call.out, out)
             return
-        outs = tree_flatten(out)[0] if isinstance(out, (tuple, list)) else []
+        if not isinstance(out, (tuple, list)):
+            return
+        # a flat tuple of tensors (add_rms_norm's) needs no pytree walk
+        outs = out if all(isinstance(v, torch.Tensor) for v in out) else tree_flatten(out)[0]
         for slot, value in zip(call.outs, outs, strict=False):
             if slot is not None and isinstance(value, torch.Tensor):
                 self._bind_output(slot, value)
