@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--policy", default="layer-pipeline")
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-host-overhead", action="store_true",
+                        help="simulate without the host's overhead (the kernels' profiled times alone, as before)")
     parser.add_argument("--latency-policy", default=None,
                         help="the latency objective's policy (default: the policy's own latency-objective plans)")
     args = parser.parse_args()
@@ -83,6 +85,8 @@ def main() -> None:
         f"trip {feedback_s * 1e3:.2f} ms")
     base = runtime_graphs(MODEL, PLAN_PROMPT, max_context, args.slots)
     profile = host_profile(MODEL, base, 1, say)
+    if args.no_host_overhead:
+        profile.overhead = None
     pctx = runtime_context(MODEL, 2, PLAN_PROMPT, 64, max_context, args.slots, 1, profile, say)
     plan = plan_policy(pctx, args.policy, "throughput")
 
@@ -98,6 +102,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         lengths = Path(tmp) / "lengths.json"
         lengths.write_text(json.dumps(LENGTHS))
+        if profile.overhead is not None and not args.no_host_overhead:
+            # the engine's own work per step, measured on the real steps of a warm-up (not recorded)
+            from tessera.serve.engine_probe import StepWork
+
+            work = StepWork()
+            work.attach(engine)
+            run_bench(url, f"poisson:rate=2,lengths={lengths},requests=6", MODEL, seed=args.seed + 1)
+            work.detach()
+            engine_s = work.per_step_s(feedback_s)
+            profile.overhead = profile.overhead.with_engine_step(engine_s, f"median over {len(work.walls)} warm-up "
+                                                                 "steps of tessera serve")
+        say(f"host overhead: {profile.overhead.describe() if profile.overhead else 'none (kernels as profiled)'}")
         for rate in [float(r) for r in args.rates.split(",")]:
             wl = f"poisson:rate={rate},lengths={lengths},requests={args.requests}"
             say(f"bench {wl}")

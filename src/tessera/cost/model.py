@@ -78,7 +78,8 @@ def device_efficiency(device: DeviceSpec, options: CostOptions = CostOptions(),
 
 
 class CostModel:
-    """Kernel times on one device: a profile's measured median where it has the kernel, else the roofline."""
+    """Kernel times on one device: a profile's measured median where it has the kernel, else the roofline; with
+    the profile's host overhead (Tessera's engine on this CPU) each kernel as it runs inside a step."""
 
     def __init__(self, device: DeviceSpec, options: CostOptions = CostOptions(), profile: Profile | None = None,
                  efficiency: DeviceEfficiency | None = None):
@@ -90,6 +91,8 @@ class CostModel:
         self._checked: set[int] = set()  # graphs whose native weight formats were checked against the device
         self.efficiency = device_efficiency(device, options, efficiency)
         self.measured = profile.by_signature() if profile is not None else {}
+        # Tessera's engine on this host: the executor's dispatch and cold weights, per kernel (`cost.host_overhead`)
+        self.overhead = profile.overhead if profile is not None else None
 
     def kernel_costs(self, graph: KernelGraph, features: list[KernelFeatures] | None = None) -> list[KernelCost]:
         """Cost of every kernel of ``graph`` in program order (``features``: the graph's, if already
@@ -104,6 +107,9 @@ class CostModel:
             t = self.measured.get(kernel_signature(k)) if self.measured else None
             if t is not None:
                 cost = KernelCost(k.index, f.cost_class, t, cost.compute_s, cost.memory_s, cost.floor_s, "measured")
+            if self.overhead is not None:
+                cost = KernelCost(k.index, f.cost_class, self.overhead.kernel_s(cost.time_s, f.weight_bytes),
+                                  cost.compute_s, cost.memory_s, cost.floor_s, cost.bound)
             out.append(cost)
         return out
 
