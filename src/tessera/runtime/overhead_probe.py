@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -179,7 +180,8 @@ def host_overhead(threads: int = 1, shapes: dict[tuple[int, int], int] | None = 
     """This host's :class:`HostOverhead` at ``threads`` threads, weights read at the rate of GEMMs over
     ``shapes`` (:func:`gemm_weight_shapes` of a model's graphs; default a fixed set), no engine step (the
     serving engine measures its own): measured on first use for this host, code and shapes (seconds) and
-    cached under ``<cache>/host/overhead-*.json``."""
+    cached under ``<cache>/host/overhead-*.json``, unless the host was busy with other work meanwhile (a load
+    average at or above its cores: measured again on the next use)."""
     key = {**overhead_key(threads), "shapes": sorted([list(s), n] for s, n in (shapes or {}).items())}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = (cache_dir or default_cache_dir() / "host") / f"overhead-{threads}t-{digest}.json"
@@ -188,11 +190,18 @@ def host_overhead(threads: int = 1, shapes: dict[tuple[int, int], int] | None = 
         return cached
     log(f"measuring the executor's dispatch and weight reads on this CPU at {threads} thread(s) (cached in "
         f"{path.parent})")
+    load = os.getloadavg()[0]
     dispatch, kernels = measure_dispatch(threads)
     bandwidth = measure_weight_bandwidth(threads, shapes)
+    load = max(load, os.getloadavg()[0])
     figures = HostOverhead(dispatch, bandwidth, 0.0, threads,
-                           f"measured {date.today().isoformat()}: executor over a {kernels}-kernel tiny decode step "
-                           f"against its profile; one-row bf16 GEMMs cycling {_WEIGHT_SET_BYTES >> 20} MiB of weights of "
-                           f"{len(shapes or _WEIGHT_SHAPES)} shapes")
-    write_cached(path, key, figures)
+                           f"measured {date.today().isoformat()} at load average {load:.1f}: executor over a "
+                           f"{kernels}-kernel tiny decode step against its profile; one-row bf16 GEMMs cycling "
+                           f"{_WEIGHT_SET_BYTES >> 20} MiB of weights of {len(shapes or _WEIGHT_SHAPES)} shapes")
+    from tessera.hardware.host import host_cores
+
+    if load < host_cores():  # figures of a host busy with other work serve this run only: measured again next time
+        write_cached(path, key, figures)
+    else:
+        log(f"the host was busy (load average {load:.1f}): these figures are not cached")
     return figures

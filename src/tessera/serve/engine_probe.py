@@ -24,17 +24,20 @@ class StepWork:
 
     walls: list[float] = field(default_factory=list)
     workers: list[float] = field(default_factory=list)
-    _engine: object | None = None
-    _saved: tuple | None = None
+    _saved: list[tuple] = field(default_factory=list)  # (lane runner, its own start, its own finish)
     _began: dict[int, float] = field(default_factory=dict)
 
     def attach(self, engine) -> None:
-        """Start watching ``engine``'s steps (a :class:`tessera.serve.engine.Engine`)."""
-        if self._engine is not None:
+        """Start watching ``engine``'s steps (a :class:`tessera.serve.engine.Engine`, or a replicated engine:
+        every replica's)."""
+        if self._saved:
             raise EngineProbeError("this probe already watches an engine; detach it first")
-        lanes = engine.lanes
+        for one in getattr(engine, "engines", None) or [engine]:
+            self._watch(one.lanes)
+
+    def _watch(self, lanes) -> None:
         start, finish = lanes.start, lanes.finish
-        self._engine, self._saved = engine, (start, finish)
+        self._saved.append((lanes, start, finish))
 
         def timed_start(step):
             self._began[id(step)] = time.perf_counter()
@@ -52,10 +55,10 @@ class StepWork:
         lanes.start, lanes.finish = timed_start, timed_finish
 
     def detach(self) -> None:
-        """Stop watching (the engine's lane runner gets its own start and finish back)."""
-        if self._engine is not None:
-            self._engine.lanes.start, self._engine.lanes.finish = self._saved
-        self._engine, self._saved = None, None
+        """Stop watching (each lane runner gets its own start and finish back)."""
+        for lanes, start, finish in self._saved:
+            lanes.start, lanes.finish = start, finish
+        self._saved = []
 
     def per_step_s(self, round_trip_s: float) -> float:
         """Median seconds per watched step of the engine's own work: its wall time less the slowest worker's
