@@ -74,6 +74,10 @@ def test_cached_figures_are_used_only_for_their_key(tmp_path):
     write_cached(path, {"code": "a"}, figures)
     assert read_cached(path, {"code": "a"}) == figures
     assert read_cached(path, {"code": "b"}) is None  # other code (a faster executor): measured again
+    assert read_cached(path, {"code": "a"}, quiet=True) == figures  # measured quiet: kept on a quiet host
+    write_cached(path, {"code": "a"}, figures, busy=True)
+    assert read_cached(path, {"code": "a"}) == figures  # measured busy: used while the host is busy,
+    assert read_cached(path, {"code": "a"}, quiet=True) is None  # measured again once it is quiet
     data = json.loads(path.read_text())
     data["dispatch_s"] = -1.0
     path.write_text(json.dumps(data))

@@ -89,14 +89,15 @@ class HostOverhead:
         return cls(**{n: d[n] for n in names})
 
 
-def read_cached(path: Path, key: dict[str, Any]) -> HostOverhead | None:
+def read_cached(path: Path, key: dict[str, Any], quiet: bool = False) -> HostOverhead | None:
     """The figures cached at ``path`` if they were measured for ``key`` (this host, these threads, this code);
-    None when absent, for another key, or unreadable (measure again)."""
+    None when absent, for another key, unreadable, or (``quiet``: the host is quiet now) measured while it was
+    busy: measure again."""
     try:
         d = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(d, dict) or d.get("key") != key:
+    if not isinstance(d, dict) or d.get("key") != key or (quiet and d.get("busy", True)):
         return None
     try:
         return HostOverhead.from_dict(d, str(path))
@@ -104,6 +105,7 @@ def read_cached(path: Path, key: dict[str, Any]) -> HostOverhead | None:
         return None
 
 
-def write_cached(path: Path, key: dict[str, Any], overhead: HostOverhead) -> None:
-    """Cache ``overhead`` at ``path`` for ``key`` (atomically)."""
-    atomic_write(path, json.dumps(overhead.to_dict(key), indent=2, sort_keys=True))
+def write_cached(path: Path, key: dict[str, Any], overhead: HostOverhead, busy: bool = False) -> None:
+    """Cache ``overhead`` at ``path`` for ``key`` (atomically); ``busy``: measured while the host was busy with
+    other work (replaced by the next measurement on a quiet host)."""
+    atomic_write(path, json.dumps({**overhead.to_dict(key), "busy": busy}, indent=2, sort_keys=True))

@@ -180,12 +180,14 @@ def host_overhead(threads: int = 1, shapes: dict[tuple[int, int], int] | None = 
     """This host's :class:`HostOverhead` at ``threads`` threads, weights read at the rate of GEMMs over
     ``shapes`` (:func:`gemm_weight_shapes` of a model's graphs; default a fixed set), no engine step (the
     serving engine measures its own): measured on first use for this host, code and shapes (seconds) and
-    cached under ``<cache>/host/overhead-*.json``, unless the host was busy with other work meanwhile (a load
-    average at or above its cores: measured again on the next use)."""
+    cached under ``<cache>/host/overhead-*.json``; figures measured while the host was busy with other work (a
+    load average at or above its cores) are used until a use on a quiet host measures them again."""
     key = {**overhead_key(threads), "shapes": sorted([list(s), n] for s, n in (shapes or {}).items())}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = (cache_dir or default_cache_dir() / "host") / f"overhead-{threads}t-{digest}.json"
-    cached = read_cached(path, key)
+    from tessera.hardware.host import host_cores
+
+    cached = read_cached(path, key, quiet=os.getloadavg()[0] < host_cores())
     if cached is not None:
         return cached
     log(f"measuring the executor's dispatch and weight reads on this CPU at {threads} thread(s) (cached in "
@@ -198,10 +200,8 @@ def host_overhead(threads: int = 1, shapes: dict[tuple[int, int], int] | None = 
                            f"measured {date.today().isoformat()} at load average {load:.1f}: executor over a "
                            f"{kernels}-kernel tiny decode step against its profile; one-row bf16 GEMMs cycling "
                            f"{_WEIGHT_SET_BYTES >> 20} MiB of weights of {len(shapes or _WEIGHT_SHAPES)} shapes")
-    from tessera.hardware.host import host_cores
-
-    if load < host_cores():  # figures of a host busy with other work serve this run only: measured again next time
-        write_cached(path, key, figures)
-    else:
-        log(f"the host was busy (load average {load:.1f}): these figures are not cached")
+    busy = load >= host_cores()
+    if busy:
+        log(f"the host was busy (load average {load:.1f}): these figures are measured again once it is quiet")
+    write_cached(path, key, figures, busy)
     return figures
