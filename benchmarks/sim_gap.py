@@ -9,7 +9,9 @@ bench_serve.py's ``--latency-policy P``), smollm2-135m on cpu:2 at one thread pe
 steps of that kind:
 
 - simulated: the step timer's step (``first_s``: the programs alone plus the driver's round trip), its kernel
-  seconds per worker (profiled times) and kernel count per worker;
+  seconds per worker and kernel count per worker, with the kernels' profiled times alone (as before the host
+  overhead was modelled) and with this host's overhead charged (`tessera.cost.host_overhead`; the engine's
+  per-step work, measured by bench_serve.py on a warm-up, is not charged here);
 - measured: the engine's wall time of the step (inputs built and submitted until its tokens are taken), the
   driver's step time (submitted until every reply is in), each worker's wall seconds and compute seconds
   (its kernels as the executor runs them, on the host clock), and the engine's own work (building inputs,
