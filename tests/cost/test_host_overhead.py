@@ -4,6 +4,7 @@ kernel exactly as `HostOverhead.kernel_s` says."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -49,11 +50,34 @@ def test_the_cost_model_charges_each_measured_kernel_exactly(decode_graph):
     assert sum(c.time_s > 5e-5 + 2.0**-15 for c in charged) >= 1  # some weights are read slower than profiled
 
 
+def test_a_gemm_reads_each_weight_at_its_shapes_measured_rate(decode_graph):
+    cpu = resolve_device("cpu:1")
+    shapes = {tuple(decode_graph.buffers[a.buffer].shape) for k in decode_graph.kernels
+              for a in decode_graph.accesses_of(k.index) if decode_graph.buffers[a.buffer].kind == "weight"}
+    rates = tuple((s[0], s[1], 2.0**30 * (1 + n)) for n, s in enumerate(sorted(x for x in shapes if len(x) == 2)))
+    o = HostOverhead(dispatch_s=0.0, weight_bandwidth=1.0, shape_bandwidth=rates)  # 1 B/s: used where no shape rate
+    charged = CostModel(cpu, profile=_profile(decode_graph, 1e-9, o)).kernel_costs(decode_graph)
+    rate = {(a, b): bw for a, b, bw in rates}
+    features = FeatureExtractor(decode_graph).all()
+    checked = 0
+    for k, c, f in zip(decode_graph.kernels, charged, features, strict=True):
+        reads = [(tuple(decode_graph.buffers[a.buffer].shape), a.sizes, a.itemsize)
+                 for a in decode_graph.accesses_of(k.index) if decode_graph.buffers[a.buffer].kind == "weight"]
+        if f.cost_class in ("gemm", "gemv") and reads:
+            expected = sum(math.prod(sz) * item / rate[shape] for shape, sz, item in reads)
+            assert c.time_s == max(1e-9, expected)
+            checked += 1
+        else:
+            assert c.time_s == max(1e-9, f.weight_bytes / 1.0)
+    assert checked == 121  # 30 layers x (QKV, O, gate-up, down) and the LM head
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("dispatch_s", -1e-6, "dispatch_s must be a finite number of seconds >= 0"),
     ("engine_step_s", float("nan"), "engine_step_s must be a finite number"),
     ("weight_bandwidth", 0.0, "weight_bandwidth must be a finite bytes/s > 0"),
     ("threads", True, "threads must be a whole number >= 1"),
+    ("shape_bandwidth", ((576, 576, 0.0),), r"shape_bandwidth rows must be \(out, in, bytes/s > 0\)"),
 ])
 def test_bad_figures_are_refused_by_name(field, value, match):
     figures = {"dispatch_s": 1e-5, "weight_bandwidth": 1e9, "engine_step_s": 0.0, "threads": 1} | {field: value}
@@ -84,5 +108,5 @@ def test_cached_figures_are_used_only_for_their_key(tmp_path):
     assert read_cached(path, {"code": "a"}) is None  # damaged: measured again
     path.write_text("{not json")
     assert read_cached(path, {"code": "a"}) is None
-    with pytest.raises(HostOverheadError, match="not a version-1 tessera-host-overhead file"):
+    with pytest.raises(HostOverheadError, match="not a version-2 tessera-host-overhead file"):
         HostOverhead.from_dict({"kind": "other"}, "x.json")

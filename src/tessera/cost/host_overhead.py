@@ -23,7 +23,7 @@ from tessera.errors import TesseraError
 from tessera.paths import atomic_write
 
 OVERHEAD_KIND = "tessera-host-overhead"
-OVERHEAD_VERSION = 1
+OVERHEAD_VERSION = 2  # 2: weight bandwidth per shape
 
 
 class HostOverheadError(TesseraError, ValueError):
@@ -45,6 +45,8 @@ class HostOverhead:
     engine_step_s: float = 0.0
     threads: int = 1
     source: str = ""
+    # (out, in, bytes/s) per measured 2-D weight shape: a GEMM reading only such weights streams each at its rate
+    shape_bandwidth: tuple[tuple[int, int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("dispatch_s", "engine_step_s"):
@@ -56,16 +58,28 @@ class HostOverhead:
             raise HostOverheadError(f"host overhead weight_bandwidth must be a finite bytes/s > 0, got {bw!r}")
         if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1:
             raise HostOverheadError(f"host overhead threads must be a whole number >= 1, got {self.threads!r}")
+        for row in self.shape_bandwidth:
+            if (len(row) != 3 or min(row[0], row[1]) < 1 or not math.isfinite(row[2]) or row[2] <= 0):
+                raise HostOverheadError(f"host overhead shape_bandwidth rows must be (out, in, bytes/s > 0), got {row!r}")
 
-    def kernel_s(self, profiled_s: float, weight_bytes: float) -> float:
+    def read_s(self, weight_bytes: float, reads: list[tuple[tuple[int, ...], float]] | None = None) -> float:
+        """Seconds to read a kernel's weights from memory: each 2-D weight of ``reads`` (shape, bytes) at its
+        shape's measured rate where every one has one, else ``weight_bytes`` at the averaged rate."""
+        rates = {(o, i): bw for o, i, bw in self.shape_bandwidth}
+        if reads and all(tuple(shape) in rates for shape, _ in reads):
+            return sum(nbytes / rates[tuple(shape)] for shape, nbytes in reads)
+        return weight_bytes / self.weight_bandwidth
+
+    def kernel_s(self, profiled_s: float, weight_bytes: float,
+                 reads: list[tuple[tuple[int, ...], float]] | None = None) -> float:
         """A kernel's seconds inside a step of Tessera's engine: its profiled time, or its weights read from
-        memory where that takes longer, plus the executor's dispatch."""
-        return max(profiled_s, weight_bytes / self.weight_bandwidth) + self.dispatch_s
+        memory where that takes longer (:meth:`read_s`), plus the executor's dispatch."""
+        return max(profiled_s, self.read_s(weight_bytes, reads)) + self.dispatch_s
 
     def with_engine_step(self, seconds: float, how: str) -> HostOverhead:
         """The same figures with the engine's per-step work ``seconds`` (measured as ``how``)."""
         return HostOverhead(self.dispatch_s, self.weight_bandwidth, seconds, self.threads,
-                            f"{self.source}; engine step {how}")
+                            f"{self.source}; engine step {how}", self.shape_bandwidth)
 
     def describe(self) -> str:
         return (f"executor {self.dispatch_s * 1e6:.1f} us a kernel, weights from memory at "
@@ -82,11 +96,16 @@ class HostOverhead:
         if not isinstance(d, dict) or d.get("kind") != OVERHEAD_KIND or d.get("version") != OVERHEAD_VERSION:
             raise HostOverheadError(f"{source}: not a version-{OVERHEAD_VERSION} {OVERHEAD_KIND} file; delete it "
                                     "and it is measured again")
-        names = ("dispatch_s", "weight_bandwidth", "engine_step_s", "threads", "source")
+        names = ("dispatch_s", "weight_bandwidth", "engine_step_s", "threads", "source", "shape_bandwidth")
         missing = [n for n in names if n not in d]
         if missing:
             raise HostOverheadError(f"{source}: lacks field(s) {', '.join(missing)}; delete it and it is measured again")
-        return cls(**{n: d[n] for n in names})
+        try:
+            rows = tuple((int(o), int(i), float(bw)) for o, i, bw in d["shape_bandwidth"])
+        except (TypeError, ValueError):
+            raise HostOverheadError(f"{source}: shape_bandwidth must be [out, in, bytes/s] rows; delete it and it is "
+                                    "measured again") from None
+        return cls(**{n: d[n] for n in names[:-1]}, shape_bandwidth=rows)
 
 
 def read_cached(path: Path, key: dict[str, Any], quiet: bool = False) -> HostOverhead | None:

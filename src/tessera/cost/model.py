@@ -3,6 +3,7 @@ calibrated roofline; and the step time with its breakdown by class and block."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -108,7 +109,8 @@ class CostModel:
             if t is not None:
                 cost = KernelCost(k.index, f.cost_class, t, cost.compute_s, cost.memory_s, cost.floor_s, "measured")
             if self.overhead is not None:
-                cost = KernelCost(k.index, f.cost_class, self.overhead.kernel_s(cost.time_s, f.weight_bytes),
+                reads = _gemm_weight_reads(graph, k.index) if f.cost_class in ("gemm", "gemv") else None
+                cost = KernelCost(k.index, f.cost_class, self.overhead.kernel_s(cost.time_s, f.weight_bytes, reads),
                                   cost.compute_s, cost.memory_s, cost.floor_s, cost.bound)
             out.append(cost)
         return out
@@ -122,3 +124,13 @@ class CostModel:
     def step_time(self, graph: KernelGraph) -> float:
         """Predicted seconds of one step of ``graph`` on this device."""
         return self.estimate(graph).step_time_s
+
+
+def _gemm_weight_reads(graph: KernelGraph, index: int) -> list[tuple[tuple[int, ...], float]]:
+    """(shape, bytes) of every weight kernel ``index`` reads (a GEMM's matrices, and any bias)."""
+    out = []
+    for a in graph.accesses_of(index):
+        buf = graph.buffers[a.buffer]
+        if buf.kind == "weight" and a.mode == "read":
+            out.append((tuple(buf.shape), float(math.prod(a.sizes) * a.itemsize)))
+    return out

@@ -25,7 +25,7 @@ from tessera.errors import TesseraError
 from tessera.limits import THREADS
 from tessera.paths import default_cache_dir
 
-_PROBE_VERSION = 1
+_PROBE_VERSION = 2  # 2: bandwidth per weight shape
 # the code whose speed the figures are of: a change to any of these measures them again
 _TIMED_SOURCES = ("runtime/executor.py", "runtime/worker.py", "runtime/overhead_probe.py", "kernels")
 # one-row GEMMs over weights of these (out, in) shapes (the widths of small and mid-size LLMs' projections),
@@ -101,12 +101,12 @@ def measure_dispatch(threads: int = 1, passes: int = 60) -> tuple[float, int]:
 
 
 def measure_weight_bandwidth(threads: int = 1, shapes: dict[tuple[int, int], int] | None = None,
-                             passes: int = 5) -> float:
+                             passes: int = 5) -> tuple[float, dict[tuple[int, int], float]]:
     """Bytes per second one-row bf16 GEMMs (``x @ W.T``) read their weights at when the weights come from
     memory. For each ``(out, in)`` weight shape of ``shapes`` (default ``_WEIGHT_SHAPES``, once each), a set
     of distinct weights of ``_WEIGHT_SET_BYTES`` (beyond the last-level cache) is called in turn, the median
     of ``passes`` passes after one untimed; the result is the shapes' bytes over their seconds, each shape
-    counted as often as ``shapes`` says (a step's GEMMs read at this rate on average)."""
+    counted as often as ``shapes`` says (a step's GEMMs read at this rate on average), and each shape's own rate."""
     _check(threads, max(passes, 3))
     shapes = shapes or {s: 1 for s in _WEIGHT_SHAPES}
     bad = [s for s in shapes if len(s) != 2 or min(s) < 1 or shapes[s] < 1]
@@ -115,6 +115,7 @@ def measure_weight_bandwidth(threads: int = 1, shapes: dict[tuple[int, int], int
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     total_bytes = total_s = 0.0
+    rates: dict[tuple[int, int], float] = {}
     try:
         with torch.no_grad():
             for (out_f, in_f), times in shapes.items():
@@ -128,12 +129,14 @@ def measure_weight_bandwidth(threads: int = 1, shapes: dict[tuple[int, int], int
                         torch.nn.functional.linear(x, w)
                     if p:
                         seconds.append(time.perf_counter() - t0)
+                per_call = statistics.median(seconds) / count
+                rates[(out_f, in_f)] = out_f * in_f * 2 / per_call
                 total_bytes += times * out_f * in_f * 2
-                total_s += times * statistics.median(seconds) / count
+                total_s += times * per_call
                 del weights
     finally:
         torch.set_num_threads(before)
-    return total_bytes / total_s
+    return total_bytes / total_s, rates
 
 
 def gemm_weight_shapes(graphs, limit: int = 8) -> dict[tuple[int, int], int]:
@@ -194,12 +197,13 @@ def host_overhead(threads: int = 1, shapes: dict[tuple[int, int], int] | None = 
         f"{path.parent})")
     load = os.getloadavg()[0]
     dispatch, kernels = measure_dispatch(threads)
-    bandwidth = measure_weight_bandwidth(threads, shapes)
+    bandwidth, rates = measure_weight_bandwidth(threads, shapes)
     load = max(load, os.getloadavg()[0])
     figures = HostOverhead(dispatch, bandwidth, 0.0, threads,
                            f"measured {date.today().isoformat()} at load average {load:.1f}: executor over a "
                            f"{kernels}-kernel tiny decode step against its profile; one-row bf16 GEMMs cycling "
-                           f"{_WEIGHT_SET_BYTES >> 20} MiB of weights of {len(shapes or _WEIGHT_SHAPES)} shapes")
+                           f"{_WEIGHT_SET_BYTES >> 20} MiB of weights of {len(shapes or _WEIGHT_SHAPES)} shapes",
+                           tuple((o, i, bw) for (o, i), bw in sorted(rates.items())))
     busy = load >= host_cores()
     if busy:
         log(f"the host was busy (load average {load:.1f}): these figures are measured again once it is quiet")
