@@ -103,14 +103,15 @@ class CostModel:
             self._checked.add(id(graph))
         features = FeatureExtractor(graph, self.options).all() if features is None else features
         out = []
+        reads = _weight_reads(graph) if self.overhead is not None else {}
         for k, f in zip(graph.kernels, features, strict=True):
             cost = kernel_time(f, self.device, self.efficiency.for_kernel(f.cost_class, f.op), self.options)
             t = self.measured.get(kernel_signature(k)) if self.measured else None
             if t is not None:
                 cost = KernelCost(k.index, f.cost_class, t, cost.compute_s, cost.memory_s, cost.floor_s, "measured")
             if self.overhead is not None:
-                reads = _gemm_weight_reads(graph, k.index) if f.cost_class in ("gemm", "gemv") else None
-                cost = KernelCost(k.index, f.cost_class, self.overhead.kernel_s(cost.time_s, f.weight_bytes, reads),
+                gemm = reads.get(k.index) if f.cost_class in ("gemm", "gemv") else None
+                cost = KernelCost(k.index, f.cost_class, self.overhead.kernel_s(cost.time_s, f.weight_bytes, gemm),
                                   cost.compute_s, cost.memory_s, cost.floor_s, cost.bound)
             out.append(cost)
         return out
@@ -126,11 +127,11 @@ class CostModel:
         return self.estimate(graph).step_time_s
 
 
-def _gemm_weight_reads(graph: KernelGraph, index: int) -> list[tuple[tuple[int, ...], float]]:
-    """(shape, bytes) of every weight kernel ``index`` reads (a GEMM's matrices, and any bias)."""
-    out = []
-    for a in graph.accesses_of(index):
+def _weight_reads(graph: KernelGraph) -> dict[int, list[tuple[tuple[int, ...], float]]]:
+    """Per kernel, (shape, bytes) of every weight it reads (a GEMM's matrices, and any bias)."""
+    out: dict[int, list[tuple[tuple[int, ...], float]]] = defaultdict(list)
+    for a in graph.accesses:
         buf = graph.buffers[a.buffer]
         if buf.kind == "weight" and a.mode == "read":
-            out.append((tuple(buf.shape), float(math.prod(a.sizes) * a.itemsize)))
+            out[a.kernel].append((tuple(buf.shape), float(math.prod(a.sizes) * a.itemsize)))
     return out
