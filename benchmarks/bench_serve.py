@@ -18,6 +18,7 @@ driver's round trip.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import tempfile
@@ -54,6 +55,8 @@ def main() -> None:
     parser.add_argument("--policy", default="layer-pipeline")
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-host-overhead", action="store_true",
+                        help="simulate without the host's overhead (the kernels' profiled times alone, as before)")
     parser.add_argument("--latency-policy", default=None,
                         help="the latency objective's policy (default: the policy's own latency-objective plans)")
     args = parser.parse_args()
@@ -83,8 +86,15 @@ def main() -> None:
         f"trip {feedback_s * 1e3:.2f} ms")
     base = runtime_graphs(MODEL, PLAN_PROMPT, max_context, args.slots)
     profile = host_profile(MODEL, base, 1, say)
+    if args.no_host_overhead:
+        profile.overhead = None
     pctx = runtime_context(MODEL, 2, PLAN_PROMPT, 64, max_context, args.slots, 1, profile, say)
     plan = plan_policy(pctx, args.policy, "throughput")
+    # beside it, the simulator without the host's overhead (the kernels' profiled times alone: before it was modelled)
+    plain = copy.copy(profile)
+    plain.overhead = None
+    plain_ctx = runtime_context(MODEL, 2, PLAN_PROMPT, 64, max_context, args.slots, 1, plain, say)
+    plain_plan = plan_policy(plain_ctx, args.policy, "throughput")
 
     cfg = ServeConfig(MODEL, "cpu:2", slots=args.slots, max_context=max_context, policy=args.policy, threads=1,
                       latency_policy=args.latency_policy)
@@ -98,6 +108,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         lengths = Path(tmp) / "lengths.json"
         lengths.write_text(json.dumps(LENGTHS))
+        if profile.overhead is not None and not args.no_host_overhead:
+            # the engine's own work per step, measured on the real steps of a warm-up (not recorded)
+            from tessera.serve.engine_probe import StepWork
+
+            work = StepWork()
+            work.attach(engine)
+            run_bench(url, f"poisson:rate=2,lengths={lengths},requests=6", MODEL, seed=args.seed + 1)
+            work.detach()
+            engine_s = work.per_step_s(feedback_s)
+            profile.overhead = profile.overhead.with_engine_step(engine_s, f"median over {len(work.walls)} warm-up "
+                                                                 "steps of tessera serve")
+        say(f"host overhead: {profile.overhead.describe() if profile.overhead else 'none (kernels as profiled)'}")
         for rate in [float(r) for r in args.rates.split(",")]:
             wl = f"poisson:rate={rate},lengths={lengths},requests={args.requests}"
             say(f"bench {wl}")
@@ -108,7 +130,9 @@ def main() -> None:
                      for o in report.outcomes if o.ok]
             predicted = simulate(pctx, plan, max_context=max_context, feedback_s=feedback_s, link=link,
                                  min_prompt=cfg.min_prompt_bucket, draws=draws).summary()
-            rows.append((rate, measured, predicted))
+            before = simulate(plain_ctx, plain_plan, max_context=max_context, feedback_s=feedback_s, link=link,
+                              min_prompt=cfg.min_prompt_bucket, draws=draws).summary()
+            rows.append((rate, measured, predicted, before))
     server.should_exit = True
     engine.stop()
 
@@ -120,12 +144,21 @@ def main() -> None:
           f"requests per rate, seed {args.seed}; measured by tessera bench | predicted by tessera simulate")
     print("| rate (req/s) | tokens/s | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) | completed |")
     print("|---|---|---|---|---|---|---|")
-    for rate, m, p in rows:
+    for rate, m, p, _ in rows:
         print(f"| {rate:g} | {f(m['throughput'])} \\| {f(p['throughput'])} | {f(m['ttft_p50_s'])} \\| "
               f"{f(p['ttft_p50_s'])} | {f(m['ttft_p99_s'])} \\| {f(p['ttft_p99_s'])} | "
               f"{f(m['tpot_p50_s'], 1e3, 0)} \\| {f(p['tpot_p50_s'], 1e3, 0)} | "
               f"{f(m['tpot_p99_s'], 1e3, 0)} \\| {f(p['tpot_p99_s'], 1e3, 0)} | "
               f"{m['completed']} \\| {p['completed']} |")
+    overhead = profile.overhead.describe() if profile.overhead else "none"
+    print(f"\nhost overhead charged: {overhead}; the same runs predicted without it (measured | predicted | "
+          f"predicted without the host overhead):")
+    print("| rate (req/s) | tokens/s | TTFT p50 (s) | TPOT p50 (ms) |")
+    print("|---|---|---|---|")
+    for rate, m, p, b in rows:
+        print(f"| {rate:g} | {f(m['throughput'])} \\| {f(p['throughput'])} \\| {f(b['throughput'])} | "
+              f"{f(m['ttft_p50_s'])} \\| {f(p['ttft_p50_s'])} \\| {f(b['ttft_p50_s'])} | "
+              f"{f(m['tpot_p50_s'], 1e3, 0)} \\| {f(p['tpot_p50_s'], 1e3, 0)} \\| {f(b['tpot_p50_s'], 1e3, 0)} |")
 
 
 if __name__ == "__main__":

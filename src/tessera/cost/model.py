@@ -3,6 +3,7 @@ calibrated roofline; and the step time with its breakdown by class and block."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -78,7 +79,8 @@ def device_efficiency(device: DeviceSpec, options: CostOptions = CostOptions(),
 
 
 class CostModel:
-    """Kernel times on one device: a profile's measured median where it has the kernel, else the roofline."""
+    """Kernel times on one device: a profile's measured median where it has the kernel, else the roofline; with
+    the profile's host overhead (Tessera's engine on this CPU) each kernel as it runs inside a step."""
 
     def __init__(self, device: DeviceSpec, options: CostOptions = CostOptions(), profile: Profile | None = None,
                  efficiency: DeviceEfficiency | None = None):
@@ -90,6 +92,8 @@ class CostModel:
         self._checked: set[int] = set()  # graphs whose native weight formats were checked against the device
         self.efficiency = device_efficiency(device, options, efficiency)
         self.measured = profile.by_signature() if profile is not None else {}
+        # Tessera's engine on this host: the executor's dispatch and cold weights, per kernel (`cost.host_overhead`)
+        self.overhead = profile.overhead if profile is not None else None
 
     def kernel_costs(self, graph: KernelGraph, features: list[KernelFeatures] | None = None) -> list[KernelCost]:
         """Cost of every kernel of ``graph`` in program order (``features``: the graph's, if already
@@ -99,11 +103,16 @@ class CostModel:
             self._checked.add(id(graph))
         features = FeatureExtractor(graph, self.options).all() if features is None else features
         out = []
+        reads = _weight_reads(graph) if self.overhead is not None else {}
         for k, f in zip(graph.kernels, features, strict=True):
             cost = kernel_time(f, self.device, self.efficiency.for_kernel(f.cost_class, f.op), self.options)
             t = self.measured.get(kernel_signature(k)) if self.measured else None
             if t is not None:
                 cost = KernelCost(k.index, f.cost_class, t, cost.compute_s, cost.memory_s, cost.floor_s, "measured")
+            if self.overhead is not None:
+                gemm = reads.get(k.index) if f.cost_class in ("gemm", "gemv") else None
+                cost = KernelCost(k.index, f.cost_class, self.overhead.kernel_s(cost.time_s, f.weight_bytes, gemm),
+                                  cost.compute_s, cost.memory_s, cost.floor_s, cost.bound)
             out.append(cost)
         return out
 
@@ -116,3 +125,13 @@ class CostModel:
     def step_time(self, graph: KernelGraph) -> float:
         """Predicted seconds of one step of ``graph`` on this device."""
         return self.estimate(graph).step_time_s
+
+
+def _weight_reads(graph: KernelGraph) -> dict[int, list[tuple[tuple[int, ...], float]]]:
+    """Per kernel, (shape, bytes) of every weight it reads (a GEMM's matrices, and any bias)."""
+    out: dict[int, list[tuple[tuple[int, ...], float]]] = defaultdict(list)
+    for a in graph.accesses:
+        buf = graph.buffers[a.buffer]
+        if buf.kind == "weight" and a.mode == "read":
+            out[a.kernel].append((tuple(buf.shape), float(math.prod(a.sizes) * a.itemsize)))
+    return out

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tessera.cost.host_overhead import HostOverhead
 from tessera.documents import read_json
 from tessera.errors import TesseraError
 from tessera.graph.codec import dtype_from_name
@@ -99,6 +100,9 @@ class Profile:
     created: str  # ISO time
     kernels: list[KernelTiming] = field(default_factory=list)
     version: int = PROFILE_VERSION
+    # this host's costs of Tessera's engine beyond the kernels (measured apart, cached apart, never in the file):
+    # set on the host's profile for a run (`tessera.runtime.session.host_profile`), charged by the cost model
+    overhead: HostOverhead | None = field(default=None, compare=False, repr=False)
 
     @property
     def total_s(self) -> float:
@@ -124,6 +128,7 @@ class Profile:
         """The versioned JSON object of this profile."""
         d = asdict(self)
         d.pop("version")
+        d.pop("overhead")
         return {"kind": PROFILE_KIND, "version": self.version, **d}
 
     def save(self, path: str | Path) -> None:
@@ -140,7 +145,7 @@ class Profile:
         if d.get("version") != PROFILE_VERSION:
             raise ProfileFormatError(f"{source}: profile version {d.get('version')!r} is not supported (expected "
                                      f"{PROFILE_VERSION}); {_REDO}")
-        names = [f.name for f in fields(cls) if f.name not in ("kernels", "version")]
+        names = [f.name for f in fields(cls) if f.name not in ("kernels", "version", "overhead")]
         missing = [n for n in [*names, "kernels"] if n not in d]
         if missing:
             raise ProfileFormatError(f"{source}: profile lacks field(s) {', '.join(missing)}; {_REDO}")

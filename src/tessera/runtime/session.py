@@ -104,9 +104,12 @@ def placements_from_plan(plan: DeploymentPlan, graphs: dict[str, KernelGraph], w
 
 def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
                  log: Callable[[str], None] = lambda s: None):
-    """This host's measured kernel times for the run's graphs at ``threads`` threads (cached per graph)."""
+    """This host's measured kernel times for the run's graphs at ``threads`` threads (cached per graph), with
+    the host's costs of Tessera's engine beyond them (``overhead``: the executor's dispatch per kernel and
+    weights read from memory, :mod:`tessera.runtime.overhead_probe`, cached per host and code)."""
     from tessera.cost.profile import cached_profile
     from tessera.paths import default_cache_dir
+    from tessera.runtime.overhead_probe import gemm_weight_shapes, host_overhead
     from tessera.runtime.profiler import profile_model
 
     merged = None
@@ -124,6 +127,8 @@ def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
             merged = prof
         else:
             merged.kernels = [*merged.kernels, *prof.kernels]
+    if merged is not None:
+        merged.overhead = host_overhead(threads, gemm_weight_shapes(graphs.values()), log)
     return merged
 
 

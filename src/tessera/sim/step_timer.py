@@ -57,7 +57,10 @@ class StepTime:
 class StepTimer:
     """Times one deployment's steps at any bucket (cached). ``targets`` are the replica's targets the step
     plans index; ``feedback_s`` is the driver's round trip between a step's outputs and the next inputs;
-    ``link`` (optional) replaces the cluster's link between every pair of targets (a measured one)."""
+    ``link`` (optional) replaces the cluster's link between every pair of targets (a measured one). On this
+    host's CPU workers, with a host profile carrying its overhead, kernels cost what the cost model charges
+    them inside a step (the executor's dispatch, weights read from memory) and each step the engine's own
+    work (:meth:`engine_step_s`)."""
 
     def __init__(self, ctx: PlanContext, steps: list[StepPlan], targets: list[Target], feedback_s: float = 0.0,
                  link: Link | None = None):
@@ -68,6 +71,17 @@ class StepTimer:
         self.link_override = link
         self._cache: dict[tuple, StepTime] = {}
         self._programs: dict[tuple, StepPrograms] = {}
+
+    def engine_step_s(self, used: tuple[int, ...]) -> float:
+        """The serving engine's own seconds per step (between a step's outputs and the next step's inputs,
+        beyond the driver's round trip) for a step on targets ``used``: the host profile's measured figure
+        where one of them is the host that profile measured (Tessera's engine on CPU workers), else none
+        (a GPU's engine is costed by its launches and graphs, not by a host probe)."""
+        profile = self.ctx.profile
+        overhead = profile.overhead if profile is not None else None
+        if overhead is None or not any(self.targets[t].spec.id == profile.device for t in used):
+            return 0.0
+        return overhead.engine_step_s
 
     def phase_spec(self, phase: str, rows: int, seq: int | None, ctx: int | None) -> PhaseSpec:
         base = next((p for p in self.ctx.phases if p.phase == phase), None)
@@ -175,11 +189,12 @@ class StepTimer:
             alone = simulate_programs(sp, kernel_time, self.link)
             stream = simulate_stream(sp, kernel_time, self.link, STREAM_STEPS, self.feedback_s)
             used = tuple(sorted(set(sp.placement)))
-            first = alone.makespan_s + self.feedback_s
+            engine = self.engine_step_s(used)
+            first = alone.makespan_s + self.feedback_s + engine
             # the engine streams a bucket's steps only where that beats running them one at a time (a
             # ping-pong split keeps both devices busy inside one step, not across streamed micro-batch jobs)
-            self._cache[key] = StepTime(phase, rows, seq, ctx, sp.micro_batches, first, min(stream.period_s, first),
-                                        tuple(alone.busy_s), sp.cut_bytes, used)
+            self._cache[key] = StepTime(phase, rows, seq, ctx, sp.micro_batches, first,
+                                        min(stream.period_s + engine, first), tuple(alone.busy_s), sp.cut_bytes, used)
         return self._cache[key]
 
 

@@ -1,0 +1,130 @@
+"""What a step of Tessera's own engine costs on this host's CPU beyond its kernels' profiled times: the
+executor's host time per kernel, weights streamed from memory rather than from warm caches, and the serving
+engine's own work per step. Measured by probes (`tessera.runtime.overhead_probe`), cached per host and per
+version of the code they time, carried by the host's :class:`~tessera.cost.profile.Profile` into the cost
+model (per kernel) and the step timer (per step).
+
+Why each is there (measured, `benchmarks/README.md`, "What the simulator leaves out of a served step"):
+`tessera profile` calls each kernel alone, repeatedly, on its bound arguments, so its times hold neither the
+executor's work around a call (views, outputs, frees) nor the cost of reading a weight that the rest of the
+step has evicted: in a decode step of smollm2-135m the GEMMs run at DRAM speed (6 GB/s here) against the
+profile's 9-22 GB/s from the last-level cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tessera.errors import TesseraError
+from tessera.paths import atomic_write
+
+OVERHEAD_KIND = "tessera-host-overhead"
+OVERHEAD_VERSION = 2  # 2: weight bandwidth per shape
+
+
+class HostOverheadError(TesseraError, ValueError):
+    """Host overhead figures that cannot be used: negative, not finite, or a damaged cache file."""
+
+
+@dataclass(frozen=True)
+class HostOverhead:
+    """Per-kernel and per-step host costs of Tessera's engine on this CPU at ``threads`` threads.
+
+    ``dispatch_s``: the executor's host seconds per kernel beyond the kernel's own call (measured on tiny
+    kernels, where the call itself costs little); ``weight_bandwidth``: bytes per second a one-row GEMM reads
+    weights at when they come from memory (weights beyond the last-level cache, cycled); ``engine_step_s``:
+    the serving engine's own seconds per step outside the workers (building inputs, taking tokens,
+    detokenising, events), 0 where not measured. ``source`` says how and when they were measured."""
+
+    dispatch_s: float
+    weight_bandwidth: float
+    engine_step_s: float = 0.0
+    threads: int = 1
+    source: str = ""
+    # (out, in, bytes/s) per measured 2-D weight shape: a GEMM reading only such weights streams each at its rate
+    shape_bandwidth: tuple[tuple[int, int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("dispatch_s", "engine_step_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise HostOverheadError(f"host overhead {name} must be a finite number of seconds >= 0, got {value!r}")
+        bw = self.weight_bandwidth
+        if not isinstance(bw, (int, float)) or isinstance(bw, bool) or not math.isfinite(bw) or bw <= 0:
+            raise HostOverheadError(f"host overhead weight_bandwidth must be a finite bytes/s > 0, got {bw!r}")
+        if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1:
+            raise HostOverheadError(f"host overhead threads must be a whole number >= 1, got {self.threads!r}")
+        for row in self.shape_bandwidth:
+            if (len(row) != 3 or min(row[0], row[1]) < 1 or not math.isfinite(row[2]) or row[2] <= 0):
+                raise HostOverheadError(f"host overhead shape_bandwidth rows must be (out, in, bytes/s > 0), got {row!r}")
+
+    def read_s(self, weight_bytes: float, reads: list[tuple[tuple[int, ...], float]] | None = None) -> float:
+        """Seconds to read a kernel's weights from memory: each 2-D weight of ``reads`` (shape, bytes) at its
+        shape's measured rate where every one has one, else ``weight_bytes`` at the averaged rate."""
+        rates = {(o, i): bw for o, i, bw in self.shape_bandwidth}
+        if reads and all(tuple(shape) in rates for shape, _ in reads):
+            return sum(nbytes / rates[tuple(shape)] for shape, nbytes in reads)
+        return weight_bytes / self.weight_bandwidth
+
+    def kernel_s(self, profiled_s: float, weight_bytes: float,
+                 reads: list[tuple[tuple[int, ...], float]] | None = None) -> float:
+        """A kernel's seconds inside a step of Tessera's engine: its profiled time, or its weights read from
+        memory where that takes longer (:meth:`read_s`), plus the executor's dispatch."""
+        return max(profiled_s, self.read_s(weight_bytes, reads)) + self.dispatch_s
+
+    def with_engine_step(self, seconds: float, how: str) -> HostOverhead:
+        """The same figures with the engine's per-step work ``seconds`` (measured as ``how``)."""
+        return HostOverhead(self.dispatch_s, self.weight_bandwidth, seconds, self.threads,
+                            f"{self.source}; engine step {how}", self.shape_bandwidth)
+
+    def describe(self) -> str:
+        return (f"executor {self.dispatch_s * 1e6:.1f} us a kernel, weights from memory at "
+                f"{self.weight_bandwidth / 1e9:.2f} GB/s, engine {self.engine_step_s * 1e3:.2f} ms a step "
+                f"({self.threads} thread{'s' if self.threads != 1 else ''})")
+
+    def to_dict(self, key: dict[str, Any]) -> dict[str, Any]:
+        """The versioned JSON object of these figures, for the cache ``key``."""
+        return {"kind": OVERHEAD_KIND, "version": OVERHEAD_VERSION, "key": key, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "<dict>") -> HostOverhead:
+        """Rebuild from :meth:`to_dict`'s object (kind, version and every field checked)."""
+        if not isinstance(d, dict) or d.get("kind") != OVERHEAD_KIND or d.get("version") != OVERHEAD_VERSION:
+            raise HostOverheadError(f"{source}: not a version-{OVERHEAD_VERSION} {OVERHEAD_KIND} file; delete it "
+                                    "and it is measured again")
+        names = ("dispatch_s", "weight_bandwidth", "engine_step_s", "threads", "source", "shape_bandwidth")
+        missing = [n for n in names if n not in d]
+        if missing:
+            raise HostOverheadError(f"{source}: lacks field(s) {', '.join(missing)}; delete it and it is measured again")
+        try:
+            rows = tuple((int(o), int(i), float(bw)) for o, i, bw in d["shape_bandwidth"])
+        except (TypeError, ValueError):
+            raise HostOverheadError(f"{source}: shape_bandwidth must be [out, in, bytes/s] rows; delete it and it is "
+                                    "measured again") from None
+        return cls(**{n: d[n] for n in names[:-1]}, shape_bandwidth=rows)
+
+
+def read_cached(path: Path, key: dict[str, Any], quiet: bool = False) -> HostOverhead | None:
+    """The figures cached at ``path`` if they were measured for ``key`` (this host, these threads, this code);
+    None when absent, for another key, unreadable, or (``quiet``: the host is quiet now) measured while it was
+    busy: measure again."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(d, dict) or d.get("key") != key or (quiet and d.get("busy", True)):
+        return None
+    try:
+        return HostOverhead.from_dict(d, str(path))
+    except HostOverheadError:
+        return None
+
+
+def write_cached(path: Path, key: dict[str, Any], overhead: HostOverhead, busy: bool = False) -> None:
+    """Cache ``overhead`` at ``path`` for ``key`` (atomically); ``busy``: measured while the host was busy with
+    other work (replaced by the next measurement on a quiet host)."""
+    atomic_write(path, json.dumps({**overhead.to_dict(key), "busy": busy}, indent=2, sort_keys=True))

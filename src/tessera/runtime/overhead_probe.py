@@ -1,0 +1,211 @@
+"""Measuring what a step of Tessera's engine costs on this CPU beyond its kernels' profiled times
+(:class:`~tessera.cost.host_overhead.HostOverhead`): the executor's dispatch per kernel and the bandwidth at
+which a one-row GEMM reads weights from memory. Cached per host, threads, torch version and a digest of the
+code they time (the executor, the worker, Tessera's kernels), so a faster executor is measured again, never
+read from an old file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessera.cost.host_overhead import HostOverhead, read_cached, write_cached
+from tessera.errors import TesseraError
+from tessera.limits import THREADS
+from tessera.paths import default_cache_dir
+
+_PROBE_VERSION = 2  # 2: bandwidth per weight shape
+# the code whose speed the figures are of: a change to any of these measures them again
+_TIMED_SOURCES = ("runtime/executor.py", "runtime/worker.py", "runtime/overhead_probe.py", "kernels")
+# one-row GEMMs over weights of these (out, in) shapes (the widths of small and mid-size LLMs' projections),
+# each set cycled so that every call reads its weight from memory
+_WEIGHT_SHAPES = ((1536, 576), (3072, 576), (2048, 1024), (1024, 2048))
+_WEIGHT_SET_BYTES = 192 * 2**20
+
+
+class OverheadProbeError(TesseraError, ValueError):
+    """A host overhead probe that cannot run as asked (bad thread or pass counts)."""
+
+
+def _check(threads: int, passes: int) -> None:
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise OverheadProbeError(f"threads must be a whole number >= 1, got {threads!r}")
+    THREADS.check(threads, "threads")
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 3:
+        raise OverheadProbeError(f"passes must be a whole number >= 3 (a median of timed passes), got {passes!r}")
+
+
+def _tiny_decode_step():
+    """The decode step of the two-layer llm test config on the CPU (Tessera's production kernels at toy
+    sizes: the calls themselves cost little, the executor's work around them is what remains)."""
+    from tessera.capture.build import instantiate
+    from tessera.capture.models import resolve_model
+    from tessera.capture.phases import StepShape, build_model, step_for
+    from tessera.capture.tiny import tiny_config
+
+    module, values = instantiate(lambda: build_model("llm", tiny_config("llm")), "cpu")
+    return step_for(resolve_model("smollm2-135m"), module, values, "decode", StepShape(batch=1, seq=1, ctx=16),
+                    device="cpu")
+
+
+def measure_dispatch(threads: int = 1, passes: int = 60) -> tuple[float, int]:
+    """Seconds the executor spends per kernel beyond the kernel's own call, and the kernels it was measured
+    over: a tiny decode step run ``passes`` times as a worker runs it (``Executor.run_kernel`` and frees, in
+    program order), its median pass less the sum of its kernels' profiled medians (each kernel called alone
+    on its bound arguments, as ``tessera profile`` times it), over the kernel count. Never below 0."""
+    from tessera.capture.trace import trace
+    from tessera.program.program import single_device_program
+    from tessera.runtime.executor import Executor
+    from tessera.runtime.profiler import profile_graph
+    from tessera.weights import unique_state
+
+    _check(threads, passes)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        step = _tiny_decode_step()
+        graph = trace(step)
+        weights, _ = unique_state(step.modules)
+        profiled = profile_graph(graph, weights, step.inputs, step.state, threads=threads, warmup=5, repeats=passes)
+        program = single_device_program(graph, "cpu")
+        ex = Executor(graph, program, weights, torch.device("cpu"))
+        state = {n: t.clone() for n, t in step.state.items()}
+        runs = []
+        with torch.no_grad():
+            for p in range(passes + 5):
+                t0 = time.perf_counter()
+                ex.prepare(step.inputs, state)
+                for ins in program.instructions:
+                    if ins.kind == "run":
+                        ex.run_kernel(ins.kernel)
+                    elif ins.kind == "free":
+                        ex.free(ins.buffer)
+                ex.release()
+                if p >= 5:
+                    runs.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    kernels = len(graph.kernels)
+    return max(0.0, (statistics.median(runs) - profiled.total_s) / kernels), kernels
+
+
+def measure_weight_bandwidth(threads: int = 1, shapes: dict[tuple[int, int], int] | None = None,
+                             passes: int = 5) -> tuple[float, dict[tuple[int, int], float]]:
+    """Bytes per second one-row bf16 GEMMs (``x @ W.T``) read their weights at when the weights come from
+    memory. For each ``(out, in)`` weight shape of ``shapes`` (default ``_WEIGHT_SHAPES``, once each), a set
+    of distinct weights of ``_WEIGHT_SET_BYTES`` (beyond the last-level cache) is called in turn, the median
+    of ``passes`` passes after one untimed; the result is the shapes' bytes over their seconds, each shape
+    counted as often as ``shapes`` says (a step's GEMMs read at this rate on average), and each shape's own rate."""
+    _check(threads, max(passes, 3))
+    shapes = shapes or {s: 1 for s in _WEIGHT_SHAPES}
+    bad = [s for s in shapes if len(s) != 2 or min(s) < 1 or shapes[s] < 1]
+    if bad:
+        raise OverheadProbeError(f"weight shapes must be (out, in) pairs of sizes >= 1 with counts >= 1, got {bad}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    total_bytes = total_s = 0.0
+    rates: dict[tuple[int, int], float] = {}
+    try:
+        with torch.no_grad():
+            for (out_f, in_f), times in shapes.items():
+                count = max(2, _WEIGHT_SET_BYTES // (out_f * in_f * 2))
+                weights = [torch.randn(out_f, in_f).to(torch.bfloat16) for _ in range(count)]
+                x = torch.randn(1, in_f).to(torch.bfloat16)
+                seconds = []
+                for p in range(passes + 1):
+                    t0 = time.perf_counter()
+                    for w in weights:
+                        torch.nn.functional.linear(x, w)
+                    if p:
+                        seconds.append(time.perf_counter() - t0)
+                per_call = statistics.median(seconds) / count
+                rates[(out_f, in_f)] = out_f * in_f * 2 / per_call
+                total_bytes += times * out_f * in_f * 2
+                total_s += times * per_call
+                del weights
+    finally:
+        torch.set_num_threads(before)
+    return total_bytes / total_s, rates
+
+
+def gemm_weight_shapes(graphs, limit: int = 8) -> dict[tuple[int, int], int]:
+    """The 2-D weight shapes the GEMMs of ``graphs`` read, with how often a step reads each (the ``limit``
+    shapes with the most bytes per step)."""
+    from tessera.cost.features import cost_class
+
+    counts: dict[tuple[int, int], int] = {}
+    for g in graphs:
+        for k in g.kernels:
+            if cost_class(k) not in ("gemm", "gemv"):
+                continue
+            for a in g.accesses_of(k.index):
+                buf = g.buffers[a.buffer]
+                if buf.kind == "weight" and len(buf.shape) == 2 and a.mode == "read":
+                    counts[tuple(buf.shape)] = counts.get(tuple(buf.shape), 0) + 1
+    top = sorted(counts, key=lambda s: -counts[s] * s[0] * s[1])[:limit]
+    return {s: counts[s] for s in top}
+
+
+def code_digest() -> str:
+    """A digest of the sources whose speed the figures are of (``_TIMED_SOURCES``)."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for rel in _TIMED_SOURCES:
+        path = root / rel
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def overhead_key(threads: int) -> dict[str, Any]:
+    """What cached figures must match to be used: the probe's version, this CPU, its cores, the threads, torch
+    and the timed code's digest."""
+    from tessera.hardware.host import cpu_model, host_cores
+
+    return {"version": _PROBE_VERSION, "cpu": cpu_model(), "machine": platform.machine(), "cores": host_cores(),
+            "threads": threads, "torch": torch.__version__, "code": code_digest()}
+
+
+def host_overhead(threads: int = 1, shapes: dict[tuple[int, int], int] | None = None,
+                  log: Callable[[str], None] = lambda s: None, cache_dir: Path | None = None) -> HostOverhead:
+    """This host's :class:`HostOverhead` at ``threads`` threads, weights read at the rate of GEMMs over
+    ``shapes`` (:func:`gemm_weight_shapes` of a model's graphs; default a fixed set), no engine step (the
+    serving engine measures its own): measured on first use for this host, code and shapes (seconds) and
+    cached under ``<cache>/host/overhead-*.json``; figures measured while the host was busy with other work (a
+    load average at or above its cores) are used until a use on a quiet host measures them again."""
+    key = {**overhead_key(threads), "shapes": sorted([list(s), n] for s, n in (shapes or {}).items())}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = (cache_dir or default_cache_dir() / "host") / f"overhead-{threads}t-{digest}.json"
+    from tessera.hardware.host import host_cores
+
+    cached = read_cached(path, key, quiet=os.getloadavg()[0] < host_cores())
+    if cached is not None:
+        return cached
+    log(f"measuring the executor's dispatch and weight reads on this CPU at {threads} thread(s) (cached in "
+        f"{path.parent})")
+    load = os.getloadavg()[0]
+    dispatch, kernels = measure_dispatch(threads)
+    bandwidth, rates = measure_weight_bandwidth(threads, shapes)
+    load = max(load, os.getloadavg()[0])
+    figures = HostOverhead(dispatch, bandwidth, 0.0, threads,
+                           f"measured {date.today().isoformat()} at load average {load:.1f}: executor over a "
+                           f"{kernels}-kernel tiny decode step against its profile; one-row bf16 GEMMs cycling "
+                           f"{_WEIGHT_SET_BYTES >> 20} MiB of weights of {len(shapes or _WEIGHT_SHAPES)} shapes",
+                           tuple((o, i, bw) for (o, i), bw in sorted(rates.items())))
+    busy = load >= host_cores()
+    if busy:
+        log(f"the host was busy (load average {load:.1f}): these figures are measured again once it is quiet")
+    write_cached(path, key, figures, busy)
+    return figures
