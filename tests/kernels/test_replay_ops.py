@@ -28,7 +28,10 @@ def test_every_tessera_op_replays_as_its_body_with_the_op_s_bits():
 
     registered = {f"tessera.{n}.default" for n in dir(torch.ops.tessera)
                   if isinstance(getattr(torch.ops.tessera, n), torch._ops.OpOverloadPacket)}
-    assert set(BODIES) == registered and len(BODIES) >= 30  # every op tessera.kernels registers
+    # every op tessera.kernels registers; the Triton op (tessera.triton_kernels, registered once a test imports
+    # it) keeps torch's own wrapper
+    triton = {n for n in registered if n.startswith("tessera.triton_")}
+    assert set(BODIES) == registered - triton and len(BODIES) >= 30
     for name in BODIES:
         assert replay_op(name) is BODIES[name]
     torch.manual_seed(0)
