@@ -6,6 +6,7 @@ engine."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from tessera.sched.scheduler import Buckets
 from tessera.serve.backend import (
@@ -91,6 +92,33 @@ def plan_assignments(cfg: ServeConfig, workers: int, threads: int, log: Callable
     return {"latency": latency, "throughput": through}, how
 
 
+def runtime_policy(cfg: ServeConfig, workers: int, threads: int, log: Callable[[str], None]) -> str:
+    """The policy served for ``cfg``: ``cfg.policy``, except that the default ``tessera`` (the best plan for one
+    copy of the model over the workers) gives way to ``request-dist`` (a copy per worker) where request-dist's
+    plan is predicted faster on this host's measured kernels: the planner's best among what this engine runs."""
+    if (cfg.policy != "tessera" or workers < 2 or cfg.local or cfg.placement is not None or cfg.plan_file is not None
+            or cfg.latency_policy is not None):
+        return cfg.policy
+    from tessera.plan.planner import plan_policy
+    from tessera.runtime.session import host_profile, runtime_context, runtime_graphs
+
+    base = runtime_graphs(cfg.model, PLAN_PROMPT, cfg.max_context, cfg.slots)
+    context = runtime_context(cfg.model, workers, PLAN_PROMPT, 64, cfg.max_context, cfg.slots, 1,
+                              host_profile(cfg.model, base, threads, log), log)
+    one_copy, copies = (plan_policy(context, p, "throughput") for p in ("tessera", "request-dist"))
+    if prefer_replicas(one_copy, copies):
+        log(f"request-dist (a replica per worker) planned at {copies.throughput:.1f} tokens/s against the tessera "
+            f"plan's {one_copy.throughput:.1f}: serving request-dist")
+        return "request-dist"
+    return cfg.policy
+
+
+def prefer_replicas(one_copy, copies) -> bool:
+    """Whether request-dist's plan ``copies`` is runnable and predicted faster than the one-copy plan."""
+    return bool(copies.applicable and copies.feasible
+                and (not (one_copy.applicable and one_copy.feasible) or copies.throughput > one_copy.throughput))
+
+
 def replanner(cfg: ServeConfig, threads: int, phases: list[str], log: Callable[[str], None]
               ) -> Callable[[int], dict[str, list[int]]]:
     """The placements of these runtime phases on ``n`` workers (after a lost one): each objective planned
@@ -146,18 +174,19 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
     if cfg.slots < 1 or cfg.max_context < 2:
         raise ServeSetupError(f"slots must be at least 1 and the context at least 2 (got {cfg.slots}, "
                               f"{cfg.max_context})")
-    if cfg.policy == "request-dist" and not cfg.local and cfg.placement is None and cfg.plan_file is None:
-        # one engine per replica
-        from tessera.serve.replicas import start_replicas
-
-        return start_replicas(cfg, start_engine, PLAN_PROMPT, log)
-    tokenizer = _tokenizer(cfg.model)
     cluster = parse_cluster(cfg.cluster)
     if any(d.spec.id != "cpu" for d in cluster.devices):
         raise ServeSetupError(f"tessera serve starts local cpu workers (--cluster cpu:N); {cluster.describe()} has "
                               "GPUs, which are planned and simulated (tessera plan / simulate), not run here")
     workers = len(cluster.devices)
     threads = cfg.threads or cluster.devices[0].spec.threads or 1
+    cfg = replace(cfg, policy=runtime_policy(cfg, workers, threads, log))
+    if cfg.policy == "request-dist" and not cfg.local and cfg.placement is None and cfg.plan_file is None:
+        # one engine per replica
+        from tessera.serve.replicas import start_replicas
+
+        return start_replicas(cfg, start_engine, PLAN_PROMPT, log)
+    tokenizer = _tokenizer(cfg.model)
     buckets = Buckets.default(cfg.slots, cfg.max_context, cfg.min_prompt_bucket)
     routes = None
     if cfg.plan_file is not None:
