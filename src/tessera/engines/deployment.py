@@ -102,7 +102,10 @@ def cpu_deployment(plan: DeploymentPlan, workers: int, options: VLLMOptions, por
     # The engines' compute workers bind to their cores; their API servers and schedulers (a busy loop) and
     # the router would otherwise float onto those cores too and preempt the compute. Where cores are left
     # over, they all start there instead.
-    host = tuple(sorted(set(range(total)) - {c for ln in launches for c in ln.placement.cores}))
+    host = set(range(total)) - {c for ln in launches for c in ln.placement.cores}
+    if cores is None:  # this host: only the cores this process may run on
+        host &= os.sched_getaffinity(0)
+    host = tuple(sorted(host))
     launches = [dataclasses.replace(ln, host_cores=host) for ln in launches]
     return Deployment(plan, tuple(launches), plan.layout.routes, host)
 
