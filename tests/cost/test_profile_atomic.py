@@ -101,3 +101,35 @@ def test_cached_profile_of_another_graph_is_measured_again(tiny_profile, tmp_pat
     assert calls == [] and lines == []
     cached_profile(path, measure, "0" * 64, lines.append)
     assert calls == [1] and "is for graph" in lines[0]
+
+
+def test_decode_is_profiled_at_the_position_asked_for_and_cached_apart(tiny_profile, tmp_path, monkeypatch):
+    import tessera.runtime.profiler as profiler
+    from tessera.runtime.profiler import ProfileError
+    from tessera.runtime.session import planned_decode_position
+
+    folder, prof, graph = tiny_profile
+    seen: list[list[int]] = []
+    import tessera.capture.trace as capture_trace
+
+    original = capture_trace.trace
+
+    def spy(step, *a, **kw):  # the positions the profiled step runs with
+        seen.append(step.inputs["positions"].tolist())
+        return original(step, *a, **kw)
+
+    monkeypatch.setattr(capture_trace, "trace", spy)
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
+    lines: list[str] = []
+    at = host_profile(str(folder), {"decode": graph}, 1, lines.append, decode_position=9)
+    assert seen[0] == [9] and any("at position 9" in line for line in lines)  # (then the host's overhead probe)
+    assert [k.signature for k in at.kernels] == [k.signature for k in prof.kernels]  # the same keys
+    assert sorted(p.name.rsplit("-", 1)[1] for p in (tmp_path / "profiles").rglob("*.json")) == ["p9.json"]
+    host_profile(str(folder), {"decode": graph}, 1, lines.append)  # position 0: its own measurement and file
+    assert seen[-1] == [0] and len(list((tmp_path / "profiles").rglob("*.json"))) == 2
+    with pytest.raises(ProfileError, match="outside the step's cache of 16 positions"):
+        profiler.profile_model(str(folder), "decode", batch=1, ctx=16, threads=1, warmup=0, repeats=1, position=16)
+    with pytest.raises(ProfileError, match="only a decode step"):
+        profiler.profile_model(str(folder), "prefill", batch=1, seq=4, ctx=16, threads=1, warmup=0, repeats=1,
+                               position=3)
+    assert planned_decode_position(64, 64, 512) == 96 and planned_decode_position(500, 64, 512) == 511

@@ -31,6 +31,7 @@ from tessera.runtime.session import (
     host_profile,
     placement_for,
     plan_file_placement,
+    planned_decode_position,
     policy_placement,
     runtime_graphs,
     synthetic,
@@ -63,6 +64,14 @@ class Run:
                         self.tokenizer.eos_token_id, self.config.sampling(), emit)
 
 
+def _decode_position(graphs: dict[str, KernelGraph], max_tokens: int) -> int:
+    """The run's mean decode position (0 for a model without a prompt and a decode step)."""
+    prefill, decode = graphs.get("prefill"), graphs.get("decode")
+    if prefill is None or decode is None or not prefill.meta.get("seq") or not decode.meta.get("ctx"):
+        return 0
+    return planned_decode_position(prefill.meta["seq"], max_tokens, decode.meta["ctx"])
+
+
 def _placement(config: RunConfig, graphs: dict[str, KernelGraph], workers: int, threads: int,
                say: Callable[[str], None]) -> RunPlacement:
     if config.placement is not None:
@@ -72,7 +81,8 @@ def _placement(config: RunConfig, graphs: dict[str, KernelGraph], workers: int, 
         profile = Profile.load(config.profile_file)
     elif ((config.plan_file is None and config.placement_for is None and config.policy != "homogeneous")
           or ((config.plan_file is not None or config.placement_for is not None) and config.on_failure == "replan")):
-        profile = host_profile(config.model, graphs, threads, say)  # to plan for the workers (or re-plan)
+        profile = host_profile(config.model, graphs, threads, say,  # to plan for the workers (or re-plan)
+                               _decode_position(graphs, config.max_tokens))
     if config.placement_for is not None:
         return placement_for(config.model, graphs, workers, config.placement_for, config.policy or "tessera",
                              config.max_tokens, config.device, profile, say)

@@ -240,15 +240,28 @@ def build_profile_step(model: str, phase: str, *, batch: int | None = None, seq:
     return step_for(spec, module, values, phase, shape, device=device)
 
 
+def _place_rows_at(step, phase: str, position: int, ctx: int | None) -> None:
+    """Put every row of a decode ``step`` (a cache of ``ctx`` positions) at ``position``."""
+    positions = step.inputs.get("positions")
+    if phase != "decode" or positions is None:
+        raise ProfileError(f"position {position}: only a decode step of a model with a KV cache has positions "
+                           f"(got the {phase} step)")
+    if position < 0 or (ctx is not None and position >= ctx):
+        raise ProfileError(f"position {position} is outside the step's cache of {ctx} positions")
+    positions.fill_(position)
+
+
 def profile_model(model: str, phase: str, *, batch: int | None = None, seq: int | None = None,
                   ctx: int | None = None, image: tuple[int, int] | None = None,
                   resolution: tuple[int, int] | None = None, device: str = "cpu", threads: int | None = None,
                   warmup: int = 3, repeats: int = 10, progress: Progress | None = None,
-                  slots: int | None = None) -> tuple[Profile, KernelGraph]:
+                  slots: int | None = None, position: int = 0) -> tuple[Profile, KernelGraph]:
     """Build ``model``'s ``phase`` step on ``device``, trace it there and time every kernel.
 
     smollm2-135m and local directories with safetensors run their real weights; other catalog models
-    are built with random weights (models too large for the host are refused).
+    are built with random weights (models too large for the host are refused). A decode step runs with every
+    row at ``position`` (its attention reads the cache up to there; a step's kernels, and so its profile's
+    keys, are the same at every position).
     """
     from tessera.capture.models import resolve_model
     from tessera.capture.trace import trace
@@ -258,6 +271,8 @@ def profile_model(model: str, phase: str, *, batch: int | None = None, seq: int 
     check_counts(warmup, repeats)
     step = build_profile_step(model, phase, batch=batch, seq=seq, ctx=ctx, image=image, resolution=resolution,
                               device=target.torch_device, slots=slots)
+    if position:
+        _place_rows_at(step, phase, position, ctx)
     with _threads(target):
         graph = trace(step)
     weights, _ = unique_state(step.modules)

@@ -103,10 +103,12 @@ def placements_from_plan(plan: DeploymentPlan, graphs: dict[str, KernelGraph], w
 
 
 def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
-                 log: Callable[[str], None] = lambda s: None):
+                 log: Callable[[str], None] = lambda s: None, decode_position: int = 0):
     """This host's measured kernel times for the run's graphs at ``threads`` threads (cached per graph), with
     the host's costs of Tessera's engine beyond them (``overhead``: the executor's dispatch per kernel and
-    weights read from memory, :mod:`tessera.runtime.overhead_probe`, cached per host and code)."""
+    weights read from memory, :mod:`tessera.runtime.overhead_probe`, cached per host and code). Decode steps
+    are timed with every row at ``decode_position`` (attention's work grows with it: give the planned
+    workload's mean decode position, see `planned_decode_position`)."""
     from tessera.cost.profile import cached_profile
     from tessera.paths import default_cache_dir
     from tessera.runtime.overhead_probe import gemm_weight_shapes, host_overhead
@@ -114,13 +116,16 @@ def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
 
     merged = None
     for phase, g in graphs.items():
-        path = default_cache_dir() / "profiles" / f"{g.model}-{phase}-{g.hash[:16]}-t{threads}.json"
+        position = decode_position if phase.startswith("decode") else 0
+        at = f"-p{position}" if position else ""
+        path = default_cache_dir() / "profiles" / f"{g.model}-{phase}-{g.hash[:16]}-t{threads}{at}.json"
 
-        def measure(phase=phase, m=g.meta, path=path):
-            log(f"measuring {phase} kernels on this CPU at {threads} thread(s) (cached in {path.parent})")
+        def measure(phase=phase, m=g.meta, path=path, position=position):
+            where = f" at position {position}" if position else ""
+            log(f"measuring {phase} kernels{where} on this CPU at {threads} thread(s) (cached in {path.parent})")
             return profile_model(model, phase, batch=m.get("batch"), seq=m.get("seq"), ctx=m.get("ctx"),
                                  device="cpu", threads=threads, warmup=PROFILE_WARMUP, repeats=PROFILE_REPEATS,
-                                 slots=m.get("slots"))[0]
+                                 slots=m.get("slots"), position=position)[0]
 
         prof = cached_profile(path, measure, g.hash, log)
         if merged is None:
@@ -130,6 +135,12 @@ def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
     if merged is not None:
         merged.overhead = host_overhead(threads, gemm_weight_shapes(graphs.values()), log)
     return merged
+
+
+def planned_decode_position(prompt_tokens: int, max_tokens: int, ctx: int) -> int:
+    """The mean cache position of the decode steps of requests of ``prompt_tokens`` generating ``max_tokens``
+    (within a cache of ``ctx`` positions): where a profile times decode for that workload."""
+    return max(0, min(ctx - 1, prompt_tokens + max_tokens // 2))
 
 
 def runtime_context(model: str, workers: int, prompt_tokens: int, max_tokens: int, ctx: int, batch: int = 1,

@@ -26,6 +26,7 @@ from tessera.serve.engine import Engine, RouteSpec, route_prefix, serving_schedu
 from tessera.serve.monitor import Monitor
 
 PLAN_PROMPT = 64  # prompt length the placements are planned for (every prompt bucket has the same kernels)
+PLAN_OUTPUT = 64  # tokens generated per request in the planned workload
 
 
 def _tokenizer(model: str):
@@ -60,8 +61,8 @@ def plan_assignments(cfg: ServeConfig, workers: int, threads: int, log: Callable
     def planned(policy: str):
         nonlocal context
         if context is None:
-            profile = host_profile(cfg.model, base, threads, log)
-            context = runtime_context(cfg.model, workers, PLAN_PROMPT, 64, cfg.max_context, cfg.slots, 1, profile,
+            profile = host_profile(cfg.model, base, threads, log, _decode_position(cfg))
+            context = runtime_context(cfg.model, workers, PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context, cfg.slots, 1, profile,
                                       log)
         return plan_policy(context, policy, "throughput", "cpu" if policy == "homogeneous" else None)
 
@@ -92,6 +93,13 @@ def plan_assignments(cfg: ServeConfig, workers: int, threads: int, log: Callable
     return {"latency": latency, "throughput": through}, how
 
 
+def _decode_position(cfg: ServeConfig) -> int:
+    """Where the planned workload's decode steps are profiled: its requests' mean cache position."""
+    from tessera.runtime.session import planned_decode_position
+
+    return planned_decode_position(PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context)
+
+
 def runtime_policy(cfg: ServeConfig, workers: int, threads: int, log: Callable[[str], None]) -> str:
     """The policy served for ``cfg``: ``cfg.policy``, except that the default ``tessera`` (the best plan for one
     copy of the model over the workers) gives way to ``request-dist`` (a copy per worker) where request-dist's
@@ -103,8 +111,8 @@ def runtime_policy(cfg: ServeConfig, workers: int, threads: int, log: Callable[[
     from tessera.runtime.session import host_profile, runtime_context, runtime_graphs
 
     base = runtime_graphs(cfg.model, PLAN_PROMPT, cfg.max_context, cfg.slots)
-    context = runtime_context(cfg.model, workers, PLAN_PROMPT, 64, cfg.max_context, cfg.slots, 1,
-                              host_profile(cfg.model, base, threads, log), log)
+    context = runtime_context(cfg.model, workers, PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context, cfg.slots, 1,
+                              host_profile(cfg.model, base, threads, log, _decode_position(cfg)), log)
     one_copy, copies = (plan_policy(context, p, "throughput") for p in ("tessera", "request-dist"))
     if prefer_replicas(one_copy, copies):
         log(f"request-dist (a replica per worker) planned at {copies.throughput:.1f} tokens/s against the tessera "

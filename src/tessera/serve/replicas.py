@@ -29,8 +29,12 @@ def replica_rows(cfg: ServeConfig, workers: int, threads: int, plan_prompt: int,
     from tessera.runtime.session import host_profile, runtime_context, runtime_graphs
 
     base = runtime_graphs(cfg.model, plan_prompt, cfg.max_context, cfg.slots)
-    profile = host_profile(cfg.model, base, threads, log)
-    ctx = runtime_context(cfg.model, workers, plan_prompt, 64, cfg.max_context, cfg.slots, 1, profile, log)
+    from tessera.runtime.session import planned_decode_position
+    from tessera.serve.launch import PLAN_OUTPUT
+
+    position = planned_decode_position(plan_prompt, PLAN_OUTPUT, cfg.max_context)
+    profile = host_profile(cfg.model, base, threads, log, position)
+    ctx = runtime_context(cfg.model, workers, plan_prompt, PLAN_OUTPUT, cfg.max_context, cfg.slots, 1, profile, log)
     plan = plan_policy(ctx, "request-dist", "throughput")
     if not (plan.applicable and plan.feasible):
         raise ServeSetupError(f"the request-dist plan for {cfg.model} on {cfg.cluster} is not runnable: {plan.reason}")
