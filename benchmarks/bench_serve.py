@@ -65,10 +65,10 @@ def main() -> None:
     from tessera.plan.planner import plan_policy
     from tessera.runtime.pool import WorkerPool
     from tessera.runtime.probe import measure_link, measure_round_trip
-    from tessera.runtime.session import host_profile, runtime_context, runtime_graphs
+    from tessera.runtime.session import host_profile, planned_decode_position, runtime_context, runtime_graphs
     from tessera.serve.bench import run_bench
     from tessera.serve.config import ServeConfig
-    from tessera.serve.launch import PLAN_PROMPT, start_engine
+    from tessera.serve.launch import PLAN_OUTPUT, PLAN_PROMPT, start_engine
     from tessera.sim.requests import simulate
 
     torch.set_num_threads(1)
@@ -85,15 +85,16 @@ def main() -> None:
     say(f"measured link: {link.latency_s * 1e6:.0f} us + bytes / {link.bandwidth / 1e9:.2f} GB/s; driver round "
         f"trip {feedback_s * 1e3:.2f} ms")
     base = runtime_graphs(MODEL, PLAN_PROMPT, max_context, args.slots)
-    profile = host_profile(MODEL, base, 1, say)
+    # the profile the server plans with (decode at the planned workload's mean position)
+    profile = host_profile(MODEL, base, 1, say, planned_decode_position(PLAN_PROMPT, PLAN_OUTPUT, max_context))
     if args.no_host_overhead:
         profile.overhead = None
-    pctx = runtime_context(MODEL, 2, PLAN_PROMPT, 64, max_context, args.slots, 1, profile, say)
+    pctx = runtime_context(MODEL, 2, PLAN_PROMPT, PLAN_OUTPUT, max_context, args.slots, 1, profile, say)
     plan = plan_policy(pctx, args.policy, "throughput")
     # beside it, the simulator without the host's overhead (the kernels' profiled times alone: before it was modelled)
     plain = copy.copy(profile)
     plain.overhead = None
-    plain_ctx = runtime_context(MODEL, 2, PLAN_PROMPT, 64, max_context, args.slots, 1, plain, say)
+    plain_ctx = runtime_context(MODEL, 2, PLAN_PROMPT, PLAN_OUTPUT, max_context, args.slots, 1, plain, say)
     plain_plan = plan_policy(plain_ctx, args.policy, "throughput")
 
     cfg = ServeConfig(MODEL, "cpu:2", slots=args.slots, max_context=max_context, policy=args.policy, threads=1,
