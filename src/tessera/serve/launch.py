@@ -193,7 +193,7 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
         # one engine per replica
         from tessera.serve.replicas import start_replicas
 
-        return start_replicas(cfg, start_engine, PLAN_PROMPT, log)
+        return start_replicas(cfg, start_engine, PLAN_PROMPT, PLAN_OUTPUT, log)
     tokenizer = _tokenizer(cfg.model)
     buckets = Buckets.default(cfg.slots, cfg.max_context, cfg.min_prompt_bucket)
     routes = None

@@ -21,20 +21,18 @@ class Replica:
     rows: int
 
 
-def replica_rows(cfg: ServeConfig, workers: int, threads: int, plan_prompt: int,
+def replica_rows(cfg: ServeConfig, workers: int, threads: int, plan_prompt: int, plan_output: int,
                  log: Callable[[str], None]) -> tuple[list[Replica], str]:
     """The request-dist plan's replicas for ``cfg`` on ``cpu:workers`` (planned with this host's measured
-    kernel times at a ``plan_prompt``-token prompt), and the plan's reason line."""
+    kernel times for requests of a ``plan_prompt``-token prompt generating ``plan_output`` tokens), and the
+    plan's reason line."""
     from tessera.plan.planner import plan_policy
-    from tessera.runtime.session import host_profile, runtime_context, runtime_graphs
+    from tessera.runtime.session import host_profile, planned_decode_position, runtime_context, runtime_graphs
 
     base = runtime_graphs(cfg.model, plan_prompt, cfg.max_context, cfg.slots)
-    from tessera.runtime.session import planned_decode_position
-    from tessera.serve.launch import PLAN_OUTPUT
-
-    position = planned_decode_position(plan_prompt, PLAN_OUTPUT, cfg.max_context)
+    position = planned_decode_position(plan_prompt, plan_output, cfg.max_context)
     profile = host_profile(cfg.model, base, threads, log, position)
-    ctx = runtime_context(cfg.model, workers, plan_prompt, PLAN_OUTPUT, cfg.max_context, cfg.slots, 1, profile, log)
+    ctx = runtime_context(cfg.model, workers, plan_prompt, plan_output, cfg.max_context, cfg.slots, 1, profile, log)
     plan = plan_policy(ctx, "request-dist", "throughput")
     if not (plan.applicable and plan.feasible):
         raise ServeSetupError(f"the request-dist plan for {cfg.model} on {cfg.cluster} is not runnable: {plan.reason}")
@@ -47,7 +45,7 @@ def replica_rows(cfg: ServeConfig, workers: int, threads: int, plan_prompt: int,
 
 
 def start_replicas(cfg: ServeConfig, start_engine: Callable[..., tuple[Engine, str]], plan_prompt: int,
-                   log: Callable[[str], None] = lambda s: None) -> tuple[ReplicatedEngine, str]:
+                   plan_output: int, log: Callable[[str], None] = lambda s: None) -> tuple[ReplicatedEngine, str]:
     """Plan request-dist for ``cfg`` and start one single-worker engine per replica (each by
     ``start_engine``, `tessera.serve.launch.start_engine`, with a one-worker homogeneous config)."""
     from tessera.hardware.cluster import parse_cluster
@@ -58,7 +56,7 @@ def start_replicas(cfg: ServeConfig, start_engine: Callable[..., tuple[Engine, s
     cluster = parse_cluster(cfg.cluster)
     workers = len(cluster.devices)
     threads = cfg.threads or cluster.devices[0].spec.threads or 1
-    replicas, reason = replica_rows(cfg, workers, threads, plan_prompt, log)
+    replicas, reason = replica_rows(cfg, workers, threads, plan_prompt, plan_output, log)
     engines: list[Engine] = []
     try:
         for r in replicas:
