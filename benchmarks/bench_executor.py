@@ -20,9 +20,10 @@ import platform
 import pstats
 import statistics
 import time
-from collections import defaultdict
 
 import torch
+
+from cprofile_parts import EXECUTOR, KERNEL_PYTHON, OTHER, TORCH_OPS, TORCH_PYTHON, profile_parts
 
 MODEL, SLOTS, CTX, PROMPT = "smollm2-135m", 32, 512, 64
 
@@ -50,23 +51,14 @@ def inputs_for(graph, name: str, position: int = PROMPT - 1) -> dict[str, torch.
     return out
 
 
+LABELS = {TORCH_OPS: "torch C++ ops", KERNEL_PYTHON: "tessera kernel bodies (Python)",
+          TORCH_PYTHON: "torch Python (custom-op dispatch)", EXECUTOR: "executor Python", OTHER: "other"}
+
+
 def split(profiler: cProfile.Profile) -> tuple[dict[str, float], int]:
     """Own seconds by part and the number of kernel calls, from one profiled step."""
-    parts: dict[str, float] = defaultdict(float)
-    calls = 0
-    for (path, _line, fn), (_cc, nc, tt, _ct, _callers) in pstats.Stats(profiler).stats.items():
-        if path == "~" and "torch" in fn:
-            parts["torch C++ ops"] += tt
-        elif "tessera/kernels" in path:
-            parts["tessera kernel bodies (Python)"] += tt
-        elif "/torch/" in path:
-            parts["torch Python (custom-op dispatch)"] += tt
-        elif "tessera/runtime/executor" in path:
-            parts["executor Python"] += tt
-            calls = max(calls, nc) if fn == "run_kernel" else calls
-        else:
-            parts["other"] += tt
-    return parts, calls
+    parts = profile_parts(pstats.Stats(profiler))
+    return {LABELS[k]: v for k, v in parts.seconds.items()}, parts.kernel_calls
 
 
 def main() -> None:

@@ -22,9 +22,10 @@ import platform
 import pstats
 import threading
 import time
-from collections import defaultdict
 
 import numpy as np
+
+from cprofile_parts import EXECUTOR, KERNEL_PYTHON, OTHER, TORCH_OPS, TORCH_PYTHON, profile_parts
 
 MODEL = "smollm2-135m"
 
@@ -165,28 +166,20 @@ def main() -> None:
     if not args.local:
         return
     stats = pstats.Stats(profiler)
-    parts: dict[str, float] = defaultdict(float)
-    attention = 0.0
-    for (path, _line, name), (_cc, _nc, tt, _ct, _callers) in stats.stats.items():
-        if path == "~" and "torch" in name:
-            parts["kernels (torch's C++ ops)"] += tt
-            attention += tt if "scaled_dot_product_attention" in name else 0.0
-        elif "tessera/kernels" in path:
-            parts["tessera's kernels' Python (composing torch ops)"] += tt
-        elif "/torch/" in path:
-            parts["torch's Python around ops (custom-op dispatch)"] += tt
-        elif "tessera/runtime/executor" in path:
-            parts["executor Python (views, outputs, frees)"] += tt
-        else:
-            parts["engine and the rest (inputs, sampling, detokenising, events)"] += tt
+    found = profile_parts(stats)
+    labels = {TORCH_OPS: "kernels (torch's C++ ops)", KERNEL_PYTHON: "tessera's kernels' Python (composing torch ops)",
+              TORCH_PYTHON: "torch's Python around ops (custom-op dispatch)",
+              EXECUTOR: "executor Python (views, outputs, frees)",
+              OTHER: "engine and the rest (inputs, sampling, detokenising, events)"}
+    parts = {labels[k]: v for k, v in found.seconds.items()}
+    calls = found.kernel_calls
     total = sum(parts.values())
     print(f"cProfile of the engine thread, steps only (its own cost inflates the Python parts): {total:.2f} s")
-    calls = next((v[1] for k, v in stats.stats.items() if k[2] == "run_kernel" and "executor" in k[0]), 0)
     print(f"  Python function calls per kernel call: {stats.total_calls / max(calls, 1):.1f}")
     for what, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
         per = f", {seconds / calls * 1e6:.1f} us per kernel call" if calls else ""
         print(f"  {what}: {seconds:.2f} s ({seconds / total:.0%}{per})")
-    print(f"  of the kernels, scaled_dot_product_attention (prefill and decode attention): {attention:.2f} s; "
+    print(f"  of the kernels, scaled_dot_product_attention (prefill and decode attention): {found.attention_s:.2f} s; "
           f"kernel calls: {calls}")
     print("top by own time:")
     stats.sort_stats("tottime").print_stats(args.top)
