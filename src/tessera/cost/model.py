@@ -13,7 +13,7 @@ from tessera.cost.options import CostOptions, check_weights_supported
 from tessera.cost.profile import Profile, kernel_signature
 from tessera.cost.roofline import KernelCost, kernel_time
 from tessera.errors import TesseraError
-from tessera.graph.ir import KernelGraph
+from tessera.graph.ir import Kernel, KernelGraph
 from tessera.hardware.catalog import DeviceSpec
 
 
@@ -94,6 +94,7 @@ class CostModel:
         self.measured = profile.by_signature() if profile is not None else {}
         # Tessera's engine on this host: the executor's dispatch and cold weights, per kernel (`cost.host_overhead`)
         self.overhead = profile.overhead if profile is not None else None
+        self.positions = profile.positions if profile is not None else None  # decode kernels by cache position
 
     def kernel_costs(self, graph: KernelGraph, features: list[KernelFeatures] | None = None) -> list[KernelCost]:
         """Cost of every kernel of ``graph`` in program order (``features``: the graph's, if already
@@ -115,6 +116,16 @@ class CostModel:
                                   cost.compute_s, cost.memory_s, cost.floor_s, cost.bound)
             out.append(cost)
         return out
+
+    def positional_s(self, kernel: Kernel, position: int) -> float | None:
+        """Seconds of a decode ``kernel`` whose time follows the cache position, in a step whose furthest position
+        is ``position`` (the profile's `PositionModel`, with the host overhead as `kernel_costs` charges it);
+        None for any other kernel, and on a device without such a model (every GPU: its kernels' times are the
+        roofline's at the traced shapes)."""
+        t = self.positions.kernel_s(kernel, position) if self.positions is not None else None
+        if t is None or self.overhead is None:
+            return t
+        return self.overhead.kernel_s(t, 0.0)  # attention reads the KV cache, no weights
 
     def estimate(self, graph: KernelGraph) -> StepEstimate:
         """The step's time (kernels run back to back on one device) and its per-kernel costs."""
