@@ -5,6 +5,8 @@ furthest position, and GPU steps are untouched."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from tessera.capture.tiny import tiny_config
@@ -136,3 +138,27 @@ def test_the_simulator_gives_each_decode_step_its_furthest_position(measured, mo
     seen.clear()
     simulate(ctx, plan, max_context=CTX, min_prompt=PROMPT, draws=[(0.0, 3, 4), (0.0, 10, 4)])
     assert [p for phase, p in seen if phase == "decode"] == [9, 10, 11, 12]
+
+
+def test_the_planner_charges_attention_at_the_planned_position_in_steps_no_profile_timed(measured):
+    model, graphs, profile, files = measured
+    planned = profile.positions.planned
+    assert planned == PROMPT + OUTPUT // 2
+    timer = _timer(model, profile)
+    one_row = timer.ctx.graph(timer.phase_spec("decode", 1, None, CTX))  # not profiled: rows 1, not ROWS
+    assert one_row.hash != graphs["decode"].hash
+    cpu = timer.targets[0].spec
+    costs = CostModel(cpu, timer.ctx.options, profile).kernel_costs(one_row)
+    for k in _positional(one_row):
+        expected = profile.overhead.kernel_s(profile.positions.kernel_s(one_row.kernels[k], planned), 0.0)
+        assert costs[k].time_s == pytest.approx(expected, rel=1e-12) and costs[k].bound == "measured"
+    # the kernels the profile timed keep their own times, interpolated at the planned position kernel by kernel
+    profiled = CostModel(cpu, timer.ctx.options, profile).kernel_costs(graphs["decode"])
+    short, long = (files[p] for p in profile.positions.positions)
+    lo, hi = profile.positions.positions
+    share = (planned - lo) / (hi - lo)
+    k = _positional(graphs["decode"])[0]
+    same = [i for i, t in enumerate(short.kernels) if t.signature == short.kernels[k].signature]
+    at_planned = statistics.median((1 - share) * short.kernels[i].median_s + share * long.kernels[i].median_s
+                                   for i in same)
+    assert profiled[k].time_s == pytest.approx(profile.overhead.kernel_s(at_planned, 0.0), rel=1e-9)

@@ -79,8 +79,9 @@ def device_efficiency(device: DeviceSpec, options: CostOptions = CostOptions(),
 
 
 class CostModel:
-    """Kernel times on one device: a profile's measured median where it has the kernel, else the roofline; with
-    the profile's host overhead (Tessera's engine on this CPU) each kernel as it runs inside a step."""
+    """Kernel times on one device: a profile's measured median where it has the kernel (or, for a decode kernel
+    whose time follows the cache position, its fit at the planned position), else the roofline; with the
+    profile's host overhead (Tessera's engine on this CPU) each kernel as it runs inside a step."""
 
     def __init__(self, device: DeviceSpec, options: CostOptions = CostOptions(), profile: Profile | None = None,
                  efficiency: DeviceEfficiency | None = None):
@@ -108,6 +109,9 @@ class CostModel:
         for k, f in zip(graph.kernels, features, strict=True):
             cost = kernel_time(f, self.device, self.efficiency.for_kernel(f.cost_class, f.op), self.options)
             t = self.measured.get(kernel_signature(k)) if self.measured else None
+            if t is None and self.positions is not None and self.positions.planned is not None:
+                # a decode step no profile timed (other rows): its attention at the planned mean position
+                t = self.positions.kernel_s(k, self.positions.planned)
             if t is not None:
                 cost = KernelCost(k.index, f.cost_class, t, cost.compute_s, cost.memory_s, cost.floor_s, "measured")
             if self.overhead is not None:

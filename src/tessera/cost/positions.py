@@ -75,16 +75,18 @@ class PositionFit:
 @dataclass(frozen=True)
 class PositionModel:
     """The positional kernels of decode steps profiled on ``device`` at ``positions`` (short, long) of a cache of
-    ``ctx`` positions, each kernel's time fitted through its two measurements (by `positional_key`)."""
+    ``ctx`` positions, each kernel's time fitted through its two measurements (by `positional_key`); ``planned``:
+    the planned workload's mean position, where a step without a position of its own is charged."""
 
     device: str
     positions: tuple[int, int]
     ctx: int
     fits: dict[str, PositionFit] = field(default_factory=dict)
+    planned: int | None = None
 
     @classmethod
     def fit(cls, graph: KernelGraph, device: str, positions: tuple[int, int], short_s: list[float],
-            long_s: list[float]) -> PositionModel:
+            long_s: list[float], planned: int | None = None) -> PositionModel:
         """Fit the positional kernels of ``graph`` (a decode step) from its kernels' times measured on
         ``device`` with every row at ``positions[0]`` (``short_s``, by kernel index) and at ``positions[1]``
         (``long_s``); a kernel shared by several layers takes the median of their times."""
@@ -109,13 +111,16 @@ class PositionModel:
             t_lo, t_hi = statistics.median(short), statistics.median(long)
             per = (t_hi - t_lo) / (rows * (hi - lo))
             fits[key] = PositionFit(t_lo - per * rows * (lo + 1), per)
-        return cls(device, positions, ctx, fits)
+        if planned is not None:
+            check_position(planned, ctx, "the profiled decode step's cache")
+        return cls(device, positions, ctx, fits, planned)
 
     def merged(self, other: PositionModel) -> PositionModel:
         """This model with ``other``'s fits (another decode graph's; its fit wins for a shared kernel)."""
         if other.device != self.device:
             raise PositionError(f"position models of {self.device} and {other.device} cannot be merged")
-        return PositionModel(self.device, other.positions, max(self.ctx, other.ctx), {**self.fits, **other.fits})
+        return PositionModel(self.device, other.positions, max(self.ctx, other.ctx), {**self.fits, **other.fits},
+                             other.planned if other.planned is not None else self.planned)
 
     def kernel_s(self, kernel: Kernel, position: int) -> float | None:
         """Seconds of ``kernel`` in a step whose furthest cache position is ``position``; None for a kernel this

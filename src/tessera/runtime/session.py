@@ -112,8 +112,9 @@ def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
     decode step is timed twice, every row at a short and at the longest position of its cache
     (`tessera.cost.positions.profiled_positions`; cached per position): the kernels whose time follows the
     position (decode attention) are fitted between the two (the profile's ``positions``, which the simulator
-    charges at each step's furthest position) and timed at ``decode_position`` for the planner, the others as
-    timed at the short position. Without it, decode is timed with every row at position 0.
+    charges at each step's furthest position) and charged at ``decode_position`` to the planner (in this step,
+    and in steps of other rows, which no profile times), the others as timed at the short position. Without it,
+    decode is timed with every row at position 0.
 
     Raises:
         PositionError: ``decode_position`` outside a decode step's cache.
@@ -146,7 +147,7 @@ def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
             span = profiled_positions(int(g.meta["ctx"]))
             short, long = (at(phase, g, p) for p in span)
             fitted = PositionModel.fit(g, short.device, span, [k.median_s for k in short.kernels],
-                                       [k.median_s for k in long.kernels])
+                                       [k.median_s for k in long.kernels], decode_position)
             positions = fitted if positions is None else positions.merged(fitted)
             prof = _positioned(g, short, long, span, decode_position)
         if merged is None:
