@@ -256,6 +256,7 @@ class StepTimer:
                                         min(stream.period_s + engine, first), tuple(alone.busy_s), sp.cut_bytes, used)
         return self._cache[key]
 
+
 def _grid_below(value: int) -> int:
     """The largest point of the interpolation grid (powers of two and their midpoints 3 x 2^k) at most
     ``value`` (>= 1)."""
