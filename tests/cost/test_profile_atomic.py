@@ -103,8 +103,10 @@ def test_cached_profile_of_another_graph_is_measured_again(tiny_profile, tmp_pat
     assert calls == [1] and "is for graph" in lines[0]
 
 
-def test_decode_is_profiled_at_the_position_asked_for_and_cached_apart(tiny_profile, tmp_path, monkeypatch):
+def test_decode_is_profiled_at_a_short_and_the_longest_position_and_cached_apart(tiny_profile, tmp_path,
+                                                                                 monkeypatch):
     import tessera.runtime.profiler as profiler
+    from tessera.cost.positions import PositionError
     from tessera.runtime.profiler import ProfileError
     from tessera.runtime.session import planned_decode_position
 
@@ -122,11 +124,21 @@ def test_decode_is_profiled_at_the_position_asked_for_and_cached_apart(tiny_prof
     monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
     lines: list[str] = []
     at = host_profile(str(folder), {"decode": graph}, 1, lines.append, decode_position=9)
-    assert seen[0] == [9] and any("at position 9" in line for line in lines)  # (then the host's overhead probe)
+    # a cache of 16 positions: an eighth into it and its last (then the host's overhead probe)
+    assert seen[:2] == [[1], [15]] and at.positions.positions == (1, 15)
+    assert any("at position 1 " in line for line in lines) and any("at position 15 " in line for line in lines)
     assert [k.signature for k in at.kernels] == [k.signature for k in prof.kernels]  # the same keys
-    assert sorted(p.name.rsplit("-", 1)[1] for p in (tmp_path / "profiles").rglob("*.json")) == ["p9.json"]
-    host_profile(str(folder), {"decode": graph}, 1, lines.append)  # position 0: its own measurement and file
-    assert seen[-1] == [0] and len(list((tmp_path / "profiles").rglob("*.json"))) == 2
+    files = lambda: sorted(p.name.rsplit("-", 1)[1] for p in (tmp_path / "profiles").rglob("*.json"))  # noqa: E731
+    assert files() == ["p1.json", "p15.json"]
+    measured = len(seen)
+    lines.clear()
+    again = host_profile(str(folder), {"decode": graph}, 1, lines.append, decode_position=3)  # another plan's mean
+    assert len(seen) == measured and not any("measuring" in line for line in lines)  # both positions from the cache
+    assert again.positions.fits == at.positions.fits and (again.positions.planned, at.positions.planned) == (3, 9)
+    host_profile(str(folder), {"decode": graph}, 1, lines.append)  # no planned position: at 0, its own file
+    assert seen[-1] == [0] and len(files()) == 3
+    with pytest.raises(PositionError, match="position 16 is outside the decode step's cache of 16 positions"):
+        host_profile(str(folder), {"decode": graph}, 1, lines.append, decode_position=16)
     with pytest.raises(ProfileError, match="outside the step's cache of 16 positions"):
         profiler.profile_model(str(folder), "decode", batch=1, ctx=16, threads=1, warmup=0, repeats=1, position=16)
     with pytest.raises(ProfileError, match="only a decode step"):

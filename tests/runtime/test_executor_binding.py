@@ -5,21 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from tessera.capture.trace import trace
 from tessera.program.program import single_device_program
 from tessera.runtime.executor import Executor
-from tessera.runtime.profiler import build_profile_step
-from tessera.weights import unique_state
 
 
-def test_weight_views_are_bound_once_and_activation_arguments_are_dropped_after_each_call():
-    step = build_profile_step("smollm2-135m", "decode", batch=2, ctx=32)
-    step.inputs["input_ids"].copy_(torch.tensor([[504], [3458]]))
-    step.inputs["positions"].copy_(torch.tensor([5, 17]))
-    graph = trace(step)
-    weights, _ = unique_state(step.modules)
-    state0 = {n: torch.randn(t.shape, generator=torch.Generator().manual_seed(1)).to(t.dtype)
-              for n, t in step.state.items()}
+def test_weight_views_are_bound_once_and_activation_arguments_are_dropped_after_each_call(smollm2_step):
+    step, graph, weights, state0 = smollm2_step
     ex = Executor(graph, single_device_program(graph), weights)
     runs, bound = [], []
     for _ in range(2):

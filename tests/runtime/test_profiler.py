@@ -28,22 +28,9 @@ from tessera.runtime.profiler import (
     profile_model,
     resolve_target,
 )
-from tessera.weights import save_weights, unique_state
+from tessera.weights import save_weights
 
 runner = CliRunner()
-CTX = 64
-
-
-@pytest.fixture(scope="module")
-def smollm2_step():
-    step = build_profile_step("smollm2-135m", "decode", batch=2, ctx=CTX)
-    step.inputs["input_ids"].copy_(torch.tensor([[504], [3458]]))
-    step.inputs["positions"].copy_(torch.tensor([5, 17]))
-    graph = trace(step)
-    weights, _ = unique_state(step.modules)
-    state0 = {n: torch.randn(t.shape, generator=torch.Generator().manual_seed(1)).to(t.dtype)
-              for n, t in step.state.items()}
-    return step, graph, weights, state0
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +60,7 @@ def test_profile_times_every_kernel_once(smollm2_step, smollm2_profile):
         assert (t.id, t.op, t.op_class, t.signature) == (k.id, k.op, k.op_class, kernel_signature(k))
         assert 0 < t.min_s <= t.median_s and t.repeats == 3
     assert (prof.device, prof.threads, prof.model, prof.phase) == ("cpu", 2, "smollm2-135m", "decode")
-    assert prof.graph_hash == graph.hash and prof.shape == {"batch": 2, "seq": 1, "ctx": CTX}
+    assert prof.graph_hash == graph.hash and prof.shape == {"batch": 2, "seq": 1, "ctx": graph.meta["ctx"]}
     assert (prof.warmup, prof.repeats, prof.version) == (1, 3, 1)
     assert prof.total_s == pytest.approx(sum(n for _, n in prof.by_op_class().values()))
     assert sum(n for n, _ in prof.by_op_class().values()) == len(graph.kernels)
@@ -135,7 +122,7 @@ def test_signatures_are_shared_by_equal_shape_kernels_only(smollm2_step, smollm2
     assert len(prof.by_signature()) < len(graph.kernels) // 10
 
     # another graph (traced on meta, larger cache): equal projections, different attention
-    other = trace(make_step("smollm2-135m", "decode", batch=2, ctx=2 * CTX, device="meta"))
+    other = trace(make_step("smollm2-135m", "decode", batch=2, ctx=2 * graph.meta["ctx"], device="meta"))
     assert kernel_signature(_kernel(other, q0.id)) == kernel_signature(q0)
     assert kernel_signature(_kernel(other, att0.id)) != kernel_signature(att0)
 

@@ -31,19 +31,22 @@ def test_replicas_are_preferred_only_when_runnable_and_faster():
 def test_an_explicit_choice_is_served_as_given_without_planning(change):
     said: list[str] = []
     cfg = ServeConfig(MODEL, "cpu:2", slots=4, max_context=128, threads=1, **change)
-    assert runtime_policy(cfg, 2, 1, said.append) == cfg.policy and said == []
+    chosen = runtime_policy(cfg, 2, 1, said.append)
+    assert chosen.policy == cfg.policy and chosen.plan is None and said == []
 
 
 def test_one_worker_has_nothing_to_replicate():
     cfg = ServeConfig(MODEL, "cpu:1", slots=4, max_context=128, threads=1)
-    assert runtime_policy(cfg, 1, 1, lambda s: None) == "tessera"
+    assert runtime_policy(cfg, 1, 1, lambda s: None).policy == "tessera"
 
 
 def test_the_default_takes_the_faster_planned_of_one_copy_and_replicas():
     said: list[str] = []
     cfg = ServeConfig(MODEL, "cpu:2", slots=4, max_context=128, threads=1)
-    chosen = runtime_policy(cfg, 2, 1, said.append)
+    served = runtime_policy(cfg, 2, 1, said.append)
+    chosen = served.policy
     assert chosen in ("tessera", "request-dist")
+    assert served.plan.policy == chosen and served.context is not None  # the chosen plan, for the start to serve
     line = [s for s in said if s.startswith("request-dist (a replica per worker) planned at")]
     if chosen == "request-dist":  # the line names both predictions, request-dist's the higher
         copies, one_copy = map(float, re.findall(r"([\d.]+) tokens/s", line[0])[:1]
@@ -51,3 +54,35 @@ def test_the_default_takes_the_faster_planned_of_one_copy_and_replicas():
         assert copies > one_copy
     else:
         assert line == []
+
+
+class _PoolStarted(Exception):
+    """Raised where a start would start its worker processes: planning is over by then."""
+
+
+@pytest.mark.parametrize("replicas", [False, True])
+def test_a_start_plans_each_candidate_once(replicas, monkeypatch):
+    # the real planner runs; the wrapper only counts its calls by policy
+    import tessera.plan.planner as planner
+    import tessera.serve.launch as launch
+    from tessera.runtime.pool import WorkerPool
+
+    real, calls = planner.plan_policy, []
+
+    def counted(ctx, policy, *args, **kwargs):
+        calls.append(policy)
+        return real(ctx, policy, *args, **kwargs)
+
+    def started(*args, **kwargs):
+        raise _PoolStarted
+
+    monkeypatch.setattr(planner, "plan_policy", counted)
+    monkeypatch.setattr(WorkerPool, "local", started)
+    # whichever candidate this host's profile favours, both starts are taken: one-copy and replicas
+    monkeypatch.setattr(launch, "prefer_replicas", lambda one_copy, copies: replicas)
+    said: list[str] = []
+    cfg = ServeConfig(MODEL, "cpu:2", slots=4, max_context=128, threads=1)
+    with pytest.raises(_PoolStarted):
+        launch.start_engine(cfg, said.append)
+    assert sorted(calls) == ["request-dist", "tessera"]  # each candidate planned once, then served as planned
+    assert any(line.startswith("replica on cpu:") for line in said) == replicas

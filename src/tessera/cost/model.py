@@ -13,7 +13,7 @@ from tessera.cost.options import CostOptions, check_weights_supported
 from tessera.cost.profile import Profile, kernel_signature
 from tessera.cost.roofline import KernelCost, kernel_time
 from tessera.errors import TesseraError
-from tessera.graph.ir import KernelGraph
+from tessera.graph.ir import Kernel, KernelGraph
 from tessera.hardware.catalog import DeviceSpec
 
 
@@ -79,8 +79,9 @@ def device_efficiency(device: DeviceSpec, options: CostOptions = CostOptions(),
 
 
 class CostModel:
-    """Kernel times on one device: a profile's measured median where it has the kernel, else the roofline; with
-    the profile's host overhead (Tessera's engine on this CPU) each kernel as it runs inside a step."""
+    """Kernel times on one device: a profile's measured median where it has the kernel (or, for a decode kernel
+    whose time follows the cache position, its fit at the planned position), else the roofline; with the
+    profile's host overhead (Tessera's engine on this CPU) each kernel as it runs inside a step."""
 
     def __init__(self, device: DeviceSpec, options: CostOptions = CostOptions(), profile: Profile | None = None,
                  efficiency: DeviceEfficiency | None = None):
@@ -94,6 +95,7 @@ class CostModel:
         self.measured = profile.by_signature() if profile is not None else {}
         # Tessera's engine on this host: the executor's dispatch and cold weights, per kernel (`cost.host_overhead`)
         self.overhead = profile.overhead if profile is not None else None
+        self.positions = profile.positions if profile is not None else None  # decode kernels by cache position
 
     def kernel_costs(self, graph: KernelGraph, features: list[KernelFeatures] | None = None) -> list[KernelCost]:
         """Cost of every kernel of ``graph`` in program order (``features``: the graph's, if already
@@ -107,6 +109,9 @@ class CostModel:
         for k, f in zip(graph.kernels, features, strict=True):
             cost = kernel_time(f, self.device, self.efficiency.for_kernel(f.cost_class, f.op), self.options)
             t = self.measured.get(kernel_signature(k)) if self.measured else None
+            if t is None and self.positions is not None and self.positions.planned is not None:
+                # a decode step no profile timed (other rows): its attention at the planned mean position
+                t = self.positions.kernel_s(k, self.positions.planned)
             if t is not None:
                 cost = KernelCost(k.index, f.cost_class, t, cost.compute_s, cost.memory_s, cost.floor_s, "measured")
             if self.overhead is not None:
@@ -115,6 +120,16 @@ class CostModel:
                                   cost.compute_s, cost.memory_s, cost.floor_s, cost.bound)
             out.append(cost)
         return out
+
+    def positional_s(self, kernel: Kernel, position: int) -> float | None:
+        """Seconds of a decode ``kernel`` whose time follows the cache position, in a step whose furthest position
+        is ``position`` (the profile's `PositionModel`, with the host overhead as `kernel_costs` charges it);
+        None for any other kernel, and on a device without such a model (every GPU: its kernels' times are the
+        roofline's at the traced shapes)."""
+        t = self.positions.kernel_s(kernel, position) if self.positions is not None else None
+        if t is None or self.overhead is None:
+            return t
+        return self.overhead.kernel_s(t, 0.0)  # attention reads the KV cache, no weights
 
     def estimate(self, graph: KernelGraph) -> StepEstimate:
         """The step's time (kernels run back to back on one device) and its per-kernel costs."""

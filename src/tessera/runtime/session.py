@@ -103,38 +103,77 @@ def placements_from_plan(plan: DeploymentPlan, graphs: dict[str, KernelGraph], w
 
 
 def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
-                 log: Callable[[str], None] = lambda s: None, decode_position: int = 0):
+                 log: Callable[[str], None] = lambda s: None, decode_position: int | None = None):
     """This host's measured kernel times for the run's graphs at ``threads`` threads (cached per graph), with
     the host's costs of Tessera's engine beyond them (``overhead``: the executor's dispatch per kernel and
-    weights read from memory, :mod:`tessera.runtime.overhead_probe`, cached per host and code). Decode steps
-    are timed with every row at ``decode_position`` (attention's work grows with it: give the planned
-    workload's mean decode position, see `planned_decode_position`)."""
+    weights read from memory, :mod:`tessera.runtime.overhead_probe`, cached per host and code).
+
+    With ``decode_position`` (the planned workload's mean decode position, see `planned_decode_position`), a
+    decode step is timed twice, every row at a short and at the longest position of its cache
+    (`tessera.cost.positions.profiled_positions`; cached per position): the kernels whose time follows the
+    position (decode attention) are fitted between the two (the profile's ``positions``, which the simulator
+    charges at each step's furthest position) and charged at ``decode_position`` to the planner (in this step,
+    and in steps of other rows, which no profile times), the others as timed at the short position. Without it,
+    decode is timed with every row at position 0.
+
+    Raises:
+        PositionError: ``decode_position`` outside a decode step's cache.
+    """
+    from tessera.cost.positions import PositionModel, check_position, profiled_positions
     from tessera.cost.profile import cached_profile
     from tessera.paths import default_cache_dir
     from tessera.runtime.overhead_probe import gemm_weight_shapes, host_overhead
     from tessera.runtime.profiler import profile_model
 
-    merged = None
-    for phase, g in graphs.items():
-        position = decode_position if phase.startswith("decode") else 0
-        at = f"-p{position}" if position else ""
-        path = default_cache_dir() / "profiles" / f"{g.model}-{phase}-{g.hash[:16]}-t{threads}{at}.json"
+    def at(phase: str, g: KernelGraph, position: int):
+        suffix = f"-p{position}" if position else ""
+        path = default_cache_dir() / "profiles" / f"{g.model}-{phase}-{g.hash[:16]}-t{threads}{suffix}.json"
 
-        def measure(phase=phase, m=g.meta, path=path, position=position):
+        def measure(m=g.meta):
             where = f" at position {position}" if position else ""
             log(f"measuring {phase} kernels{where} on this CPU at {threads} thread(s) (cached in {path.parent})")
             return profile_model(model, phase, batch=m.get("batch"), seq=m.get("seq"), ctx=m.get("ctx"),
                                  device="cpu", threads=threads, warmup=PROFILE_WARMUP, repeats=PROFILE_REPEATS,
                                  slots=m.get("slots"), position=position)[0]
 
-        prof = cached_profile(path, measure, g.hash, log)
+        return cached_profile(path, measure, g.hash, log)
+
+    merged = positions = None
+    for phase, g in graphs.items():
+        if decode_position is None or not phase.startswith("decode"):
+            prof = at(phase, g, 0)
+        else:
+            check_position(decode_position, int(g.meta["ctx"]), f"the {phase} step's cache")
+            span = profiled_positions(int(g.meta["ctx"]))
+            short, long = (at(phase, g, p) for p in span)
+            fitted = PositionModel.fit(g, short.device, span, [k.median_s for k in short.kernels],
+                                       [k.median_s for k in long.kernels], decode_position)
+            positions = fitted if positions is None else positions.merged(fitted)
+            prof = _positioned(g, short, long, span, decode_position)
         if merged is None:
             merged = prof
         else:
             merged.kernels = [*merged.kernels, *prof.kernels]
     if merged is not None:
         merged.overhead = host_overhead(threads, gemm_weight_shapes(graphs.values()), log)
+        merged.positions = positions
     return merged
+
+
+def _positioned(graph: KernelGraph, short, long, span: tuple[int, int], position: int):
+    """The decode profile ``short`` (timed at ``span[0]``) with each kernel whose time follows the cache position
+    interpolated at ``position`` between its times in ``short`` and ``long`` (timed at ``span[1]``)."""
+    from dataclasses import replace
+
+    from tessera.cost.positions import interpolate, positional_key
+
+    kernels = []
+    for k, s, lg in zip(graph.kernels, short.kernels, long.kernels, strict=True):
+        if positional_key(k) is not None:
+            s = replace(s, median_s=interpolate(s.median_s, lg.median_s, span, position),
+                        min_s=interpolate(s.min_s, lg.min_s, span, position))
+        kernels.append(s)
+    return replace(short, kernels=kernels)
 
 
 def planned_decode_position(prompt_tokens: int, max_tokens: int, ctx: int) -> int:

@@ -6,7 +6,8 @@ engine."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from tessera.sched.scheduler import Buckets
 from tessera.serve.backend import (
@@ -24,6 +25,10 @@ from tessera.serve.backend import (
 from tessera.serve.config import ServeConfig
 from tessera.serve.engine import Engine, RouteSpec, route_prefix, serving_scheduler
 from tessera.serve.monitor import Monitor
+
+if TYPE_CHECKING:
+    from tessera.plan.context import PlanContext
+    from tessera.plan.deployment import DeploymentPlan
 
 PLAN_PROMPT = 64  # prompt length the placements are planned for (every prompt bucket has the same kernels)
 PLAN_OUTPUT = 64  # tokens generated per request in the planned workload
@@ -44,12 +49,23 @@ def _tokenizer(model: str):
         raise ServeSetupError(f"{model}: {e}") from None
 
 
-def plan_assignments(cfg: ServeConfig, workers: int, threads: int, log: Callable[[str], None]
-                     ) -> tuple[dict[str, dict[str, list[int]]], str]:
+@dataclass(frozen=True)
+class ServedPolicy:
+    """The policy a start serves and, where choosing it planned it (`runtime_policy`), that plan with the
+    planning context it was made in, so that the start takes it instead of planning it again."""
+
+    policy: str
+    plan: DeploymentPlan | None = None
+    context: PlanContext | None = None
+
+
+def plan_assignments(cfg: ServeConfig, workers: int, threads: int, log: Callable[[str], None],
+                     chosen: ServedPolicy | None = None) -> tuple[dict[str, dict[str, list[int]]], str]:
     """Each objective's prefill and decode placement (kernel -> worker), and how they were found: a synthetic
     ``placement`` or the ``policy``'s plan for the throughput objective; ``latency_policy``'s plan, or else the
     same plan's latency-objective step plans (or the same synthetic placement), for the latency objective.
-    ``homogeneous`` on cpu workers is every kernel on the first worker (nothing to plan)."""
+    ``homogeneous`` on cpu workers is every kernel on the first worker (nothing to plan). ``chosen``: the plan
+    `runtime_policy` made for these workers, taken for its policy instead of planning it again."""
     from tessera.plan.objective_steps import add_objective_steps
     from tessera.plan.planner import plan_policy
     from tessera.program.placements import synthetic_placement
@@ -60,6 +76,9 @@ def plan_assignments(cfg: ServeConfig, workers: int, threads: int, log: Callable
 
     def planned(policy: str):
         nonlocal context
+        if chosen is not None and chosen.plan is not None and policy == chosen.policy:
+            context = context or chosen.context
+            return chosen.plan
         if context is None:
             profile = host_profile(cfg.model, base, threads, log, _decode_position(cfg))
             context = runtime_context(cfg.model, workers, PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context, cfg.slots, 1, profile,
@@ -100,13 +119,14 @@ def _decode_position(cfg: ServeConfig) -> int:
     return planned_decode_position(PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context)
 
 
-def runtime_policy(cfg: ServeConfig, workers: int, threads: int, log: Callable[[str], None]) -> str:
+def runtime_policy(cfg: ServeConfig, workers: int, threads: int, log: Callable[[str], None]) -> ServedPolicy:
     """The policy served for ``cfg``: ``cfg.policy``, except that the default ``tessera`` (the best plan for one
     copy of the model over the workers) gives way to ``request-dist`` (a copy per worker) where request-dist's
-    plan is predicted faster on this host's measured kernels: the planner's best among what this engine runs."""
+    plan is predicted faster on this host's measured kernels: the planner's best among what this engine runs.
+    Where it planned both, the chosen plan comes with it (its context too), for the start to serve."""
     if (cfg.policy != "tessera" or workers < 2 or cfg.local or cfg.placement is not None or cfg.plan_file is not None
             or cfg.latency_policy is not None):
-        return cfg.policy
+        return ServedPolicy(cfg.policy)
     from tessera.plan.planner import plan_policy
     from tessera.runtime.session import host_profile, runtime_context, runtime_graphs
 
@@ -117,8 +137,8 @@ def runtime_policy(cfg: ServeConfig, workers: int, threads: int, log: Callable[[
     if prefer_replicas(one_copy, copies):
         log(f"request-dist (a replica per worker) planned at {copies.throughput:.1f} tokens/s against the tessera "
             f"plan's {one_copy.throughput:.1f}: serving request-dist")
-        return "request-dist"
-    return cfg.policy
+        return ServedPolicy("request-dist", copies, context)
+    return ServedPolicy(cfg.policy, one_copy, context)
 
 
 def prefer_replicas(one_copy, copies) -> bool:
@@ -188,12 +208,13 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
                               "GPUs, which are planned and simulated (tessera plan / simulate), not run here")
     workers = len(cluster.devices)
     threads = cfg.threads or cluster.devices[0].spec.threads or 1
-    cfg = replace(cfg, policy=runtime_policy(cfg, workers, threads, log))
+    chosen = runtime_policy(cfg, workers, threads, log)
+    cfg = replace(cfg, policy=chosen.policy)
     if cfg.policy == "request-dist" and not cfg.local and cfg.placement is None and cfg.plan_file is None:
         # one engine per replica
         from tessera.serve.replicas import start_replicas
 
-        return start_replicas(cfg, start_engine, PLAN_PROMPT, PLAN_OUTPUT, log)
+        return start_replicas(cfg, start_engine, PLAN_PROMPT, PLAN_OUTPUT, log, chosen.plan)
     tokenizer = _tokenizer(cfg.model)
     buckets = Buckets.default(cfg.slots, cfg.max_context, cfg.min_prompt_bucket)
     routes = None
@@ -214,7 +235,7 @@ def start_engine(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) 
         how = "one process (reference)"
     else:
         if cfg.plan_file is None:
-            assignments, how = plan_assignments(cfg, workers, threads, log)
+            assignments, how = plan_assignments(cfg, workers, threads, log, chosen)
             placements = objective_placements(graphs, assignments)
         log(f"starting {workers} workers ({threads} thread{'s' if threads != 1 else ''} each)")
         replan = cfg.on_failure in ("replan", "respawn")

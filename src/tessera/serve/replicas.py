@@ -7,10 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from tessera.serve.backend import ServeSetupError
 from tessera.serve.config import ServeConfig
 from tessera.serve.engine import Engine, EngineStats, EventSink, Generation, GenerationParams, Histogram
+
+if TYPE_CHECKING:
+    from tessera.plan.deployment import DeploymentPlan
 
 
 @dataclass(frozen=True)
@@ -22,18 +26,12 @@ class Replica:
 
 
 def replica_rows(cfg: ServeConfig, workers: int, threads: int, plan_prompt: int, plan_output: int,
-                 log: Callable[[str], None]) -> tuple[list[Replica], str]:
-    """The request-dist plan's replicas for ``cfg`` on ``cpu:workers`` (planned with this host's measured
-    kernel times for requests of a ``plan_prompt``-token prompt generating ``plan_output`` tokens), and the
-    plan's reason line."""
-    from tessera.plan.planner import plan_policy
-    from tessera.runtime.session import host_profile, planned_decode_position, runtime_context, runtime_graphs
-
-    base = runtime_graphs(cfg.model, plan_prompt, cfg.max_context, cfg.slots)
-    position = planned_decode_position(plan_prompt, plan_output, cfg.max_context)
-    profile = host_profile(cfg.model, base, threads, log, position)
-    ctx = runtime_context(cfg.model, workers, plan_prompt, plan_output, cfg.max_context, cfg.slots, 1, profile, log)
-    plan = plan_policy(ctx, "request-dist", "throughput")
+                 log: Callable[[str], None], plan: DeploymentPlan | None = None) -> tuple[list[Replica], str]:
+    """The request-dist plan's replicas for ``cfg`` on ``cpu:workers`` (``plan``, the one already made for
+    them, else planned now with this host's measured kernel times for requests of a ``plan_prompt``-token prompt
+    generating ``plan_output`` tokens), and the plan's reason line."""
+    if plan is None:
+        plan = _plan_replicas(cfg, workers, threads, plan_prompt, plan_output, log)
     if not (plan.applicable and plan.feasible):
         raise ServeSetupError(f"the request-dist plan for {cfg.model} on {cfg.cluster} is not runnable: {plan.reason}")
     replicas = [Replica(plan.targets[s.solver.get("target_offset", 0)], s.batch) for s in plan.steps
@@ -44,10 +42,25 @@ def replica_rows(cfg: ServeConfig, workers: int, threads: int, plan_prompt: int,
     return replicas, plan.reason
 
 
+def _plan_replicas(cfg: ServeConfig, workers: int, threads: int, plan_prompt: int, plan_output: int,
+                   log: Callable[[str], None]) -> DeploymentPlan:
+    """request-dist planned for ``cfg`` on ``cpu:workers`` with this host's measured kernel times."""
+    from tessera.plan.planner import plan_policy
+    from tessera.runtime.session import host_profile, planned_decode_position, runtime_context, runtime_graphs
+
+    base = runtime_graphs(cfg.model, plan_prompt, cfg.max_context, cfg.slots)
+    position = planned_decode_position(plan_prompt, plan_output, cfg.max_context)
+    profile = host_profile(cfg.model, base, threads, log, position)
+    ctx = runtime_context(cfg.model, workers, plan_prompt, plan_output, cfg.max_context, cfg.slots, 1, profile, log)
+    return plan_policy(ctx, "request-dist", "throughput")
+
+
 def start_replicas(cfg: ServeConfig, start_engine: Callable[..., tuple[Engine, str]], plan_prompt: int,
-                   plan_output: int, log: Callable[[str], None] = lambda s: None) -> tuple[ReplicatedEngine, str]:
-    """Plan request-dist for ``cfg`` and start one single-worker engine per replica (each by
-    ``start_engine``, `tessera.serve.launch.start_engine`, with a one-worker homogeneous config)."""
+                   plan_output: int, log: Callable[[str], None] = lambda s: None,
+                   plan: DeploymentPlan | None = None) -> tuple[ReplicatedEngine, str]:
+    """Start one single-worker engine per replica of ``plan`` (request-dist for ``cfg``, planned now if not
+    given), each by ``start_engine`` (`tessera.serve.launch.start_engine`) with a one-worker homogeneous
+    config."""
     from tessera.hardware.cluster import parse_cluster
 
     if cfg.latency_policy is not None:
@@ -56,7 +69,7 @@ def start_replicas(cfg: ServeConfig, start_engine: Callable[..., tuple[Engine, s
     cluster = parse_cluster(cfg.cluster)
     workers = len(cluster.devices)
     threads = cfg.threads or cluster.devices[0].spec.threads or 1
-    replicas, reason = replica_rows(cfg, workers, threads, plan_prompt, plan_output, log)
+    replicas, reason = replica_rows(cfg, workers, threads, plan_prompt, plan_output, log, plan)
     engines: list[Engine] = []
     try:
         for r in replicas:

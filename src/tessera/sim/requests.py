@@ -301,13 +301,21 @@ def _prompts_only(engine: Engine, lane: Lane) -> bool:
     return not any(s.batched for s in engine.scheduler.stages if s.phase in lane.phases)
 
 
+def _furthest(step: ScheduledStep) -> int | None:
+    """The furthest cache position a decode step's rows read (its longest context's newest token), which a CPU's
+    decode attention's time follows (`tessera.sim.step_timer`); None for other steps."""
+    if step.phase != "decode" or step.ctx is None or not step.requests:
+        return None
+    return max(r.context for r in step.requests) - 1
+
+
 def _duration(engine: Engine, lane: Lane, step: ScheduledStep, now: float) -> float:
     timer = lane.timer or engine.timer
     if engine.engine_shapes:  # the same phase and rows stream on even as the context grows
         t = timer.interpolated(step.phase, step.rows, step.seq, step.ctx, engine.min_prompt)
         streaming = lane.last_bucket is not None and lane.last_bucket[:2] == step.bucket[:2]
     else:
-        t = timer.time(step.phase, step.rows, step.seq, step.ctx)
+        t = timer.time(step.phase, step.rows, step.seq, step.ctx, _furthest(step))
         streaming = lane.last_bucket == step.bucket
     return t.period_s if streaming and lane.busy_until >= now else t.first_s
 

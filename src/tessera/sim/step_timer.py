@@ -10,6 +10,12 @@ the bucket, every kernel is timed on its target, the programs are built (exact b
 run, once alone and streamed back to back (the steady-state period is the better of the two: the
 engine streams a bucket only where streaming pays). Results are cached per (phase, bucket, M).
 
+On this host's CPU workers, with a host profile fitted at two decode positions (`tessera.cost.positions`), a
+decode step given its furthest cache position charges the kernels whose time follows it (decode attention) at
+that position: the step is timed with them at each of the two profiled positions and interpolated linearly
+between (exact on one device, where a step's time is the sum of its kernels'; an estimate where a split's
+critical path bends). Without a position, or on GPUs, the step is timed as traced.
+
 MoE expert splits (a grouped expert GEMM spread over targets) have no program form yet (the runtime
 does not run them): the kernel runs on its combine's target, taking the slowest part's time plus the
 combine, as the parts run in parallel; the parts' token transfers are not in the programs.
@@ -22,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from tessera.cost.model import CostModel
 from tessera.errors import TesseraError
 from tessera.hardware.cluster import Link
 from tessera.plan.build import transfer_assignment
@@ -71,6 +78,13 @@ class StepTimer:
         self.link_override = link
         self._cache: dict[tuple, StepTime] = {}
         self._programs: dict[tuple, StepPrograms] = {}
+        self._positional: dict[tuple, list[int]] = {}
+        profile = ctx.profile
+        positions = profile.positions if profile is not None else None
+        # the targets on the device the profile measured, which charge decode kernels by their cache position
+        self._host = ([t for t, target in enumerate(targets) if target.spec.id == positions.device]
+                      if positions is not None else [])
+        self._host_model = (CostModel(targets[self._host[0]].spec, ctx.options, profile) if self._host else None)
 
     def engine_step_s(self, used: tuple[int, ...]) -> float:
         """The serving engine's own seconds per step (between a step's outputs and the next step's inputs,
@@ -176,12 +190,57 @@ class StepTimer:
         return StepTime(phase, rows, seq, ctx, base.micro_batches, first, min(period, first),
                         tuple(float(x) for x in busy), base.cut_bytes, base.targets)
 
-    def time(self, phase: str, rows: int, seq: int | None = None, ctx: int | None = None) -> StepTime:
-        """The step of ``phase`` at ``rows`` rows (and prompt / context buckets), timed (cached)."""
+    def time(self, phase: str, rows: int, seq: int | None = None, ctx: int | None = None,
+             position: int | None = None) -> StepTime:
+        """The step of ``phase`` at ``rows`` rows (and prompt / context buckets), timed (cached); ``position``:
+        the furthest cache position its rows read (a decode step), charged to the kernels whose time follows it
+        where the host profile has them fitted (see the module docstring).
+
+        Raises:
+            StepTimingError: ``position`` outside the step's cache (0 .. context - 1).
+        """
+        if position is not None:
+            spec = self.phase_spec(phase, rows, seq, ctx)
+            if spec.ctx is None or not 0 <= position < spec.ctx:
+                raise StepTimingError(f"{phase} at {rows} rows: position {position} is outside the step's cache of "
+                                      f"{spec.ctx} positions (0 .. {(spec.ctx or 0) - 1})")
+            if self._positional_kernels(phase, rows, seq, ctx):
+                lo, hi = self._host_model.positions.positions
+                short, long = (self._timed(phase, rows, seq, ctx, p) for p in (lo, hi))
+                w = (position - lo) / (hi - lo)
+                first = (1 - w) * short.first_s + w * long.first_s
+                period = (1 - w) * short.period_s + w * long.period_s
+                busy = tuple((1 - w) * a + w * b for a, b in zip(short.busy_s, long.busy_s, strict=True))
+                return replace(short, first_s=first, period_s=min(period, first), busy_s=busy)
+        return self._timed(phase, rows, seq, ctx, None)
+
+    def _positional_kernels(self, phase: str, rows: int, seq: int | None, ctx: int | None) -> list[int]:
+        """The kernels of the step's graph whose time the host profile charges by cache position (cached)."""
         key = (phase, rows, seq, ctx)
+        if key not in self._positional:
+            found = []
+            if self._host_model is not None:
+                graph = self.ctx.graph(self.phase_spec(phase, rows, seq, ctx), self.micro_batches(phase, rows))
+                found = [k.index for k in graph.kernels if self._host_model.positional_s(k, 0) is not None]
+            self._positional[key] = found
+        return self._positional[key]
+
+    def kernel_times_at(self, phase: str, rows: int, seq: int | None, ctx: int | None, position: int) -> np.ndarray:
+        """:meth:`kernel_times` with the kernels whose time follows the cache position charged at ``position``
+        on the targets of the host profile's device."""
+        times = self.kernel_times(phase, rows, seq, ctx).copy()
+        graph = self.ctx.graph(self.phase_spec(phase, rows, seq, ctx), self.micro_batches(phase, rows))
+        for k in self._positional_kernels(phase, rows, seq, ctx):
+            times[k, self._host] = self._host_model.positional_s(graph.kernels[k], position)
+        return times
+
+    def _timed(self, phase: str, rows: int, seq: int | None, ctx: int | None, position: int | None) -> StepTime:
+        """The step timed by its programs, positional kernels at ``position`` (None: as traced) (cached)."""
+        key = (phase, rows, seq, ctx, position)
         if key not in self._cache:
             sp = self.programs(phase, rows, seq, ctx)
-            times = self.kernel_times(phase, rows, seq, ctx)
+            times = (self.kernel_times(phase, rows, seq, ctx) if position is None else
+                     self.kernel_times_at(phase, rows, seq, ctx, position))
 
             def kernel_time(d: int, k: int, _m: int) -> float:
                 return float(times[k, d])

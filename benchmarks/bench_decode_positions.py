@@ -1,0 +1,95 @@
+"""`tessera serve`'s default deployment measured by `tessera bench`, beside the simulator's prediction with decode
+attention charged at each step's furthest cache position and with the charge before it was (attention at the
+planned mean position in the profiled step only, other rows' steps by the roofline).
+
+    .venv/bin/python benchmarks/bench_decode_positions.py [--workloads fixed:in=64,out=32,requests=32;...]
+
+The server runs smollm2-135m (real weights) on cpu:2 (one thread per worker) with serve's defaults (32 slots,
+a context of 512, the policy `runtime_policy` chooses). The simulator serves the requests the server really
+saw (greedy outputs may stop early at EOS), with the driver's round trip measured on a pool of its own and
+the engine's work per step measured on a warm-up, as `bench_serve.py` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+
+MODEL = "smollm2-135m"
+WORKLOADS = "fixed:in=64,out=32,requests=32;fixed:in=16,out=16,requests=32;fixed:in=320,out=64,requests=16"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default=WORKLOADS, help="tessera bench workloads, ';'-separated")
+    args = parser.parse_args()
+    import torch
+
+    from bench_serve import _start_server  # uvicorn on a free port, in a thread
+    from tessera.plan.planner import plan_policy
+    from tessera.runtime.pool import WorkerPool
+    from tessera.runtime.probe import measure_round_trip
+    from tessera.runtime.session import host_profile, planned_decode_position, runtime_context, runtime_graphs
+    from tessera.serve.bench import run_bench
+    from tessera.serve.config import ServeConfig
+    from tessera.serve.engine_probe import StepWork
+    from tessera.serve.launch import PLAN_OUTPUT, PLAN_PROMPT, runtime_policy, start_engine
+    from tessera.sim.requests import simulate
+
+    torch.set_num_threads(1)
+    say = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    cfg = ServeConfig(MODEL, "cpu:2", threads=1)
+    probe = WorkerPool.local(2, 1)
+    try:
+        feedback_s = measure_round_trip(probe, probe.alive, output_bytes=4 * 49152 * cfg.slots // 2)
+    finally:
+        probe.close()
+    served = runtime_policy(cfg, 2, 1, say)
+    base = runtime_graphs(MODEL, PLAN_PROMPT, cfg.max_context, cfg.slots)
+    profile = host_profile(MODEL, base, 1, say, planned_decode_position(PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context))
+    engine, how = start_engine(cfg, say)
+    say(f"serving {MODEL} on cpu:2: {how}")
+    ports: list[int] = []
+    server = _start_server(engine, ports)
+    url = f"http://127.0.0.1:{ports[0]}"
+    work = StepWork()
+    work.attach(engine)  # request-dist: every replica's engine
+    run_bench(url, "fixed:in=32,out=8,requests=8", MODEL, seed=1)  # warm-up (not recorded)
+    work.detach()
+    profile.overhead = profile.overhead.with_engine_step(work.per_step_s(feedback_s), "median over the warm-up")
+    before = copy.copy(profile)
+    before.positions = None  # the charge before: the planned mean in the profiled step, the roofline elsewhere
+    contexts = {name: runtime_context(MODEL, 2, PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context, cfg.slots, 1, p, say)
+                for name, p in (("position", profile), ("before", before))}
+    plans = {name: plan_policy(c, served.policy, "throughput") for name, c in contexts.items()}
+    rows = []
+    for wl in args.workloads.split(";"):
+        say(f"bench {wl}")
+        report = run_bench(url, wl, MODEL, seed=0)
+        measured = report.summary()
+        draws = [(o.planned.arrival_s, o.prompt_tokens or o.planned.input, max(1, o.output_tokens))
+                 for o in report.outcomes if o.ok]
+        predicted = {name: simulate(contexts[name], plans[name], max_context=cfg.max_context, feedback_s=feedback_s,
+                                    min_prompt=cfg.min_prompt_bucket, draws=draws).summary() for name in contexts}
+        rows.append((wl, measured, predicted["position"], predicted["before"]))
+    server.should_exit = True
+    engine.stop()
+
+    def f(v, scale=1.0, digits=2):
+        return "-" if v is None else f"{v * scale:.{digits}f}"
+
+    print(f"{MODEL} on cpu:2, serve's defaults ({served.policy}, {cfg.slots} slots, context {cfg.max_context}, 1 thread "
+          f"per worker); measured by tessera bench | predicted by position | predicted before")
+    print("| workload | tokens/s | TTFT p50 (s) | TPOT p50 (ms) | TPOT p99 (ms) |")
+    print("|---|---|---|---|---|")
+    for wl, m, p, b in rows:
+        print(f"| {wl} | {f(m['throughput'], digits=1)} \\| {f(p['throughput'], digits=1)} \\| "
+              f"{f(b['throughput'], digits=1)} | {f(m['ttft_p50_s'])} \\| {f(p['ttft_p50_s'])} \\| "
+              f"{f(b['ttft_p50_s'])} | {f(m['tpot_p50_s'], 1e3, 0)} \\| {f(p['tpot_p50_s'], 1e3, 0)} \\| "
+              f"{f(b['tpot_p50_s'], 1e3, 0)} | {f(m['tpot_p99_s'], 1e3, 0)} \\| {f(p['tpot_p99_s'], 1e3, 0)} \\| "
+              f"{f(b['tpot_p99_s'], 1e3, 0)} |")
+
+
+if __name__ == "__main__":
+    main()
