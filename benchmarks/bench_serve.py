@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--policy", default="layer-pipeline")
     parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--no-prompt-profile", action="store_true",
+                        help="time prompt steps other than the planned one by the roofline (as before), not profiled")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-host-overhead", action="store_true",
                         help="simulate without the host's overhead (the kernels' profiled times alone, as before)")
@@ -65,6 +67,7 @@ def main() -> None:
     from tessera.plan.planner import plan_policy
     from tessera.runtime.pool import WorkerPool
     from tessera.runtime.probe import measure_link, measure_round_trip
+    from tessera.runtime.prompt_profile import serving_profile
     from tessera.runtime.session import host_profile, planned_decode_position, runtime_context, runtime_graphs
     from tessera.serve.bench import run_bench
     from tessera.serve.config import ServeConfig
@@ -86,7 +89,10 @@ def main() -> None:
         f"trip {feedback_s * 1e3:.2f} ms")
     base = runtime_graphs(MODEL, PLAN_PROMPT, max_context, args.slots)
     # the profile the server plans with (decode at the planned workload's mean position)
-    profile = host_profile(MODEL, base, 1, say, planned_decode_position(PLAN_PROMPT, PLAN_OUTPUT, max_context))
+    position = planned_decode_position(PLAN_PROMPT, PLAN_OUTPUT, max_context)
+    profile = (host_profile(MODEL, base, 1, say, position) if args.no_prompt_profile else  # every served prompt step
+               serving_profile(MODEL, base, 1, args.slots, max_context, ServeConfig.min_prompt_bucket, say,
+                               position))  # profiled too
     if args.no_host_overhead:
         profile.overhead = None
     pctx = runtime_context(MODEL, 2, PLAN_PROMPT, PLAN_OUTPUT, max_context, args.slots, 1, profile, say)

@@ -17,6 +17,10 @@ def test_a_broadcast_bmm_gives_bmm_s_bits_in_every_dtype_and_any_other_bmm_is_bm
             b = w.t().unsqueeze(0).expand(rows, 64, 300)  # the weight broadcast over the batch (stride 0)
             got = broadcast_bmm(a, b)
             assert got.shape == (rows, seq, 300) and torch.equal(got, torch.ops.aten.bmm.default(a, b)), (dtype, rows)
+    # a lone prompt's LM head (smollm2-135m's, bf16): a batch of one keeps the weight's batch stride, not zero
+    w = torch.randn(49152, 576, dtype=torch.bfloat16)
+    a, b = torch.randn(1, 64, 576, dtype=torch.bfloat16)[:, -1:], w.t().unsqueeze(0).expand(1, 576, 49152)
+    assert b.stride(0) != 0 and torch.equal(broadcast_bmm(a, b), torch.ops.aten.bmm.default(a, b))
     a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 5)  # a real batch of matrices
     assert torch.equal(broadcast_bmm(a, b), torch.bmm(a, b))
     assert replay_op("aten.bmm.default") is broadcast_bmm and replay_op("aten.mm.default") is None
