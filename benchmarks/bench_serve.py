@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-host-overhead", action="store_true",
                         help="simulate without the host's overhead (the kernels' profiled times alone, as before)")
+    parser.add_argument("--no-contention", action="store_true",
+                        help="simulate without the two workers' contention on the host (each worker a device of its own)")
     parser.add_argument("--latency-policy", default=None,
                         help="the latency objective's policy (default: the policy's own latency-objective plans)")
     args = parser.parse_args()
@@ -89,6 +91,10 @@ def main() -> None:
     profile = host_profile(MODEL, base, 1, say, planned_decode_position(PLAN_PROMPT, PLAN_OUTPUT, max_context))
     if args.no_host_overhead:
         profile.overhead = None
+    if not args.no_contention:  # how the two workers slow each other when their steps run at once (probed, cached)
+        from tessera.runtime.contention_probe import host_contention
+
+        profile.contention = host_contention(MODEL, 1, log=say)
     pctx = runtime_context(MODEL, 2, PLAN_PROMPT, PLAN_OUTPUT, max_context, args.slots, 1, profile, say)
     plan = plan_policy(pctx, args.policy, "throughput")
     # beside it, the simulator without the host's overhead (the kernels' profiled times alone: before it was modelled)
@@ -131,9 +137,13 @@ def main() -> None:
                      for o in report.outcomes if o.ok]
             predicted = simulate(pctx, plan, max_context=max_context, feedback_s=feedback_s, link=link,
                                  min_prompt=cfg.min_prompt_bucket, draws=draws).summary()
+            contention, profile.contention = profile.contention, None  # the same, each worker a device of its own
+            alone = simulate(pctx, plan, max_context=max_context, feedback_s=feedback_s, link=link,
+                             min_prompt=cfg.min_prompt_bucket, draws=draws).summary()
+            profile.contention = contention
             before = simulate(plain_ctx, plain_plan, max_context=max_context, feedback_s=feedback_s, link=link,
                               min_prompt=cfg.min_prompt_bucket, draws=draws).summary()
-            rows.append((rate, measured, predicted, before))
+            rows.append((rate, measured, predicted, before, alone))
     server.should_exit = True
     engine.stop()
 
@@ -145,7 +155,7 @@ def main() -> None:
           f"requests per rate, seed {args.seed}; measured by tessera bench | predicted by tessera simulate")
     print("| rate (req/s) | tokens/s | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) | completed |")
     print("|---|---|---|---|---|---|---|")
-    for rate, m, p, _ in rows:
+    for rate, m, p, *_ in rows:
         print(f"| {rate:g} | {f(m['throughput'])} \\| {f(p['throughput'])} | {f(m['ttft_p50_s'])} \\| "
               f"{f(p['ttft_p50_s'])} | {f(m['ttft_p99_s'])} \\| {f(p['ttft_p99_s'])} | "
               f"{f(m['tpot_p50_s'], 1e3, 0)} \\| {f(p['tpot_p50_s'], 1e3, 0)} | "
@@ -156,10 +166,25 @@ def main() -> None:
           f"predicted without the host overhead):")
     print("| rate (req/s) | tokens/s | TTFT p50 (s) | TPOT p50 (ms) |")
     print("|---|---|---|---|")
-    for rate, m, p, b in rows:
+    for rate, m, p, b, _ in rows:
         print(f"| {rate:g} | {f(m['throughput'])} \\| {f(p['throughput'])} \\| {f(b['throughput'])} | "
               f"{f(m['ttft_p50_s'])} \\| {f(p['ttft_p50_s'])} \\| {f(b['ttft_p50_s'])} | "
               f"{f(m['tpot_p50_s'], 1e3, 0)} \\| {f(p['tpot_p50_s'], 1e3, 0)} \\| {f(b['tpot_p50_s'], 1e3, 0)} |")
+    figures = profile.contention.describe() if profile.contention else "none"
+    print(f"\ncontention charged: {figures}; the same runs predicted without it (measured | predicted | predicted "
+          f"with each worker a device of its own):")
+    print("| rate (req/s) | tokens/s | TTFT p50 (s) | TPOT p50 (ms) | TPOT p50 error |")
+    print("|---|---|---|---|---|")
+    def err(q, m):
+        if not m["tpot_p50_s"] or q["tpot_p50_s"] is None:
+            return "-"
+        return f"{(q['tpot_p50_s'] / m['tpot_p50_s'] - 1) * 100:+.0f}%"
+
+    for rate, m, p, _, a in rows:
+        print(f"| {rate:g} | {f(m['throughput'])} \\| {f(p['throughput'])} \\| {f(a['throughput'])} | "
+              f"{f(m['ttft_p50_s'])} \\| {f(p['ttft_p50_s'])} \\| {f(a['ttft_p50_s'])} | "
+              f"{f(m['tpot_p50_s'], 1e3, 0)} \\| {f(p['tpot_p50_s'], 1e3, 0)} \\| {f(a['tpot_p50_s'], 1e3, 0)} | "
+              f"{err(p, m)} \\| {err(a, m)} |")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tessera.cost.contention import HostContention
 from tessera.cost.host_overhead import HostOverhead
 from tessera.documents import read_json
 from tessera.errors import TesseraError
@@ -103,6 +104,8 @@ class Profile:
     # this host's costs of Tessera's engine beyond the kernels (measured apart, cached apart, never in the file):
     # set on the host's profile for a run (`tessera.runtime.session.host_profile`), charged by the cost model
     overhead: HostOverhead | None = field(default=None, compare=False, repr=False)
+    # how two of the host's CPU workers slow each other (`tessera.cost.contention`), for the request simulator
+    contention: HostContention | None = field(default=None, compare=False, repr=False)
 
     @property
     def total_s(self) -> float:
@@ -129,6 +132,7 @@ class Profile:
         d = asdict(self)
         d.pop("version")
         d.pop("overhead")
+        d.pop("contention")
         return {"kind": PROFILE_KIND, "version": self.version, **d}
 
     def save(self, path: str | Path) -> None:
@@ -145,7 +149,7 @@ class Profile:
         if d.get("version") != PROFILE_VERSION:
             raise ProfileFormatError(f"{source}: profile version {d.get('version')!r} is not supported (expected "
                                      f"{PROFILE_VERSION}); {_REDO}")
-        names = [f.name for f in fields(cls) if f.name not in ("kernels", "version", "overhead")]
+        names = [f.name for f in fields(cls) if f.name not in ("kernels", "version", "overhead", "contention")]
         missing = [n for n in [*names, "kernels"] if n not in d]
         if missing:
             raise ProfileFormatError(f"{source}: profile lacks field(s) {', '.join(missing)}; {_REDO}")
