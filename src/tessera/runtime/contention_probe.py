@@ -3,8 +3,10 @@ HostContention`): two processes, each pinned to a core of its own at the workers
 decode step and a prefill step of the model as a worker runs them (the executor over the step's program). One
 times a step alone, then while the other runs a step in a loop beside it, back to back; the ratio of the two
 medians is one sample. Samples alternate which process is timed and whether alone or beside comes first, over
-several rounds, and the factor is their median, so load from other processes on the host moves both halves
-of a sample alike. Cached per host, threads, model, shapes and a digest of the timed code.
+several rounds, and the factor is their median. A step is timed by its thread's CPU seconds: what the shared
+cache and memory bandwidth cost it, while the time other processes on the host take its core away (load from
+other work, which a served run may or may not have) stays out; the wall-clock ratios are kept beside them.
+Cached per host, threads, model, shapes and a digest of the timed code.
 """
 
 from __future__ import annotations
@@ -92,10 +94,11 @@ class _Step:
         self.inputs = step.inputs
         self.state = {n: t.clone() for n, t in step.state.items()}
 
-    def run(self) -> float:
+    def run(self) -> tuple[float, float]:
+        """One step: its wall seconds and its thread's CPU seconds."""
         import torch
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         with torch.no_grad():
             ex = self.executor
             ex.prepare(self.inputs, self.state)
@@ -105,7 +108,7 @@ class _Step:
                 elif ins.kind == "free":
                     ex.free(ins.buffer)
             ex.release()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.thread_time() - c0
 
 
 def _build_steps(model: str, shapes: ProbeShapes) -> dict[str, _Step]:
@@ -182,12 +185,13 @@ def _reply(conn, expect: str, timeout_s: float = 120.0):
 
 def measure_contention(model: str, threads: int = 1, shapes: ProbeShapes | None = None, rounds: int = 3,
                        passes: int = 5, log: Callable[[str], None] = lambda s: None,
-                       pin: bool = True) -> tuple[HostContention, dict]:
+                       pin: bool = True) -> tuple[HostContention, dict[str, dict[str, list[float]]]]:
     """This host's contention factors for ``model``'s steps at ``threads`` threads per worker (``pin``: each
     process pinned to cores of its own, else placed by the OS as Tessera's workers are), and the samples
-    they are the medians of (``{"kind beside neighbour": [ratios]}``). Per round and per process timed, each
-    kind's step is timed ``passes`` times alone and ``passes`` times beside each kind of neighbour step (in
-    alternating order); a sample is the ratio of the two medians, and a factor below 1 counts as 1."""
+    (``{"cpu" | "wall": {"kind beside neighbour": [ratios]}}``): the factors are the medians of the CPU-time
+    samples. Per round and per process timed, each kind's step is timed ``passes`` times alone and ``passes``
+    times beside each kind of neighbour step (in alternating order); a sample is the ratio of the two
+    medians, and a factor below 1 counts as 1."""
     import multiprocessing as mp
 
     _check(threads, rounds, passes)
@@ -206,14 +210,16 @@ def measure_contention(model: str, threads: int = 1, shapes: ProbeShapes | None 
             conns.append(mine)
         for conn in conns:
             _reply(conn, "ready", _START_TIMEOUT_S)
-        samples: dict[str, list[float]] = {f"{a} beside {b}": [] for a in KINDS for b in KINDS}
+        wall: dict[str, list[float]] = {f"{a} beside {b}": [] for a in KINDS for b in KINDS}
+        cpu: dict[str, list[float]] = {f"{a} beside {b}": [] for a in KINDS for b in KINDS}
         for r in range(rounds):
             for me in (0, 1):
                 victim, other = conns[me], conns[1 - me]
                 for kind in KINDS:
                     def timed(_v=victim, _k=kind):
                         _v.send(("time", _k, passes))
-                        return statistics.median(_reply(_v, "times"))
+                        runs = _reply(_v, "times")
+                        return statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs)
 
                     for i, neighbour in enumerate(KINDS):
                         beside_first = (r + me + i) % 2 == 1
@@ -225,9 +231,10 @@ def measure_contention(model: str, threads: int = 1, shapes: ProbeShapes | None 
                         _reply(other, "stopped")
                         if alone is None:
                             alone = timed()
-                        samples[f"{kind} beside {neighbour}"].append(with_neighbour / alone)
+                        wall[f"{kind} beside {neighbour}"].append(with_neighbour[0] / alone[0])
+                        cpu[f"{kind} beside {neighbour}"].append(with_neighbour[1] / alone[1])
             log(f"contention probe round {r + 1}/{rounds}: " + ", ".join(
-                f"{k} x{statistics.median(v):.2f}" for k, v in samples.items()))
+                f"{k} x{statistics.median(v):.2f} (wall x{statistics.median(wall[k]):.2f})" for k, v in cpu.items()))
         for conn in conns:
             conn.send(("quit",))
     finally:
@@ -238,8 +245,8 @@ def measure_contention(model: str, threads: int = 1, shapes: ProbeShapes | None 
                 p.join()
         for conn in conns:
             conn.close()
-    factors = tuple((a, b, max(1.0, statistics.median(samples[f"{a} beside {b}"]))) for a in KINDS for b in KINDS)
-    return HostContention(factors, threads), samples
+    factors = tuple((a, b, max(1.0, statistics.median(cpu[f"{a} beside {b}"]))) for a in KINDS for b in KINDS)
+    return HostContention(factors, threads), {"cpu": cpu, "wall": wall}
 
 
 _TIMED_SOURCES = ("runtime/executor.py", "runtime/contention_probe.py", "kernels")
@@ -290,11 +297,12 @@ def host_contention(model: str, threads: int = 1, shapes: ProbeShapes | None = N
     load = os.getloadavg()[0]
     figures, samples = measure_contention(model, threads, shapes, rounds, passes, log)
     load = max(load, os.getloadavg()[0])
+    walls = ", ".join(f"{k} x{statistics.median(v):.2f}" for k, v in samples["wall"].items())
     figures = HostContention(figures.factors, threads,
                              f"measured {date.today().isoformat()} at load average {load:.1f}: {model} decode at "
-                             f"{shapes.decode_rows} rows and prefill of {shapes.prompt} tokens, each timed alone and "
-                             f"beside the other process's step, {rounds} rounds x 2 processes, median of "
-                             f"{len(next(iter(samples.values())))} samples")
+                             f"{shapes.decode_rows} rows and prefill of {shapes.prompt} tokens, each timed (thread CPU "
+                             f"seconds) alone and beside the other process's step, {rounds} rounds x 2 processes, "
+                             f"median of {2 * rounds} samples; wall-clock medians {walls}")
     busy = load >= host_cores()
     if busy:
         log(f"the host was busy (load average {load:.1f}): these figures are measured again once it is quiet")
