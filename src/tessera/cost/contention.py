@@ -1,6 +1,7 @@
 """How much two of Tessera's CPU workers on one host slow each other when their steps run at the same time:
 each worker has a core of its own, but the cores share the last-level cache and the memory bandwidth (and on
-a virtual machine whatever the hypervisor shares). Measured by a probe (`tessera.runtime.contention_probe`),
+a virtual machine whatever the hypervisor shares); other processes taking a core away are not in it (the probe
+times its steps by their thread's CPU seconds). Measured by a probe (`tessera.runtime.contention_probe`),
 cached per host, threads, model and version of the code it times; carried by the host's
 :class:`~tessera.cost.profile.Profile` into the request simulator, which stretches a step by its factor for
 exactly the time another step runs beside it on the host's CPU (`tessera.sim.contention`).
