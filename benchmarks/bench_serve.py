@@ -59,6 +59,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-host-overhead", action="store_true",
                         help="simulate without the host's overhead (the kernels' profiled times alone, as before)")
+    parser.add_argument("--no-in-step", action="store_true",
+                        help="simulate without a kernel's measured excess inside a real step (HostOverhead.in_step_s)")
+    parser.add_argument("--no-contention", action="store_true",
+                        help="simulate without the two workers' contention on the host (each worker a device of its own)")
     parser.add_argument("--latency-policy", default=None,
                         help="the latency objective's policy (default: the policy's own latency-objective plans)")
     args = parser.parse_args()
@@ -95,11 +99,21 @@ def main() -> None:
                                position))  # profiled too
     if args.no_host_overhead:
         profile.overhead = None
+    if not args.no_contention:  # how the two workers slow each other when their steps run at once (probed, cached)
+        from tessera.runtime.contention_probe import host_contention
+
+        profile.contention = host_contention(MODEL, 1, log=say)
+    before_overhead = profile.overhead  # the host overhead as the last session modelled it
+    if profile.overhead is not None and not args.no_in_step:  # a kernel's excess inside a real step (probed, cached)
+        from tessera.runtime.step_excess_probe import with_step_excess
+
+        profile.overhead = with_step_excess(profile.overhead, MODEL, ctx=max_context, slots=args.slots, log=say)
     pctx = runtime_context(MODEL, 2, PLAN_PROMPT, PLAN_OUTPUT, max_context, args.slots, 1, profile, say)
     plan = plan_policy(pctx, args.policy, "throughput")
-    # beside it, the simulator without the host's overhead (the kernels' profiled times alone: before it was modelled)
+    # beside it, the simulator as it was before this change: the host overhead without the in-step excess, each
+    # worker a device of its own
     plain = copy.copy(profile)
-    plain.overhead = None
+    plain.overhead, plain.contention = before_overhead, None
     plain_ctx = runtime_context(MODEL, 2, PLAN_PROMPT, PLAN_OUTPUT, max_context, args.slots, 1, plain, say)
     plain_plan = plan_policy(plain_ctx, args.policy, "throughput")
 
@@ -124,8 +138,9 @@ def main() -> None:
             run_bench(url, f"poisson:rate=2,lengths={lengths},requests=6", MODEL, seed=args.seed + 1)
             work.detach()
             engine_s = work.per_step_s(feedback_s)
-            profile.overhead = profile.overhead.with_engine_step(engine_s, f"median over {len(work.walls)} warm-up "
-                                                                 "steps of tessera serve")
+            how = f"median over {len(work.walls)} warm-up steps of tessera serve"
+            profile.overhead = profile.overhead.with_engine_step(engine_s, how)
+            plain.overhead = plain.overhead.with_engine_step(engine_s, how)
         say(f"host overhead: {profile.overhead.describe() if profile.overhead else 'none (kernels as profiled)'}")
         # beside it, the charge before each decode step's position was modelled: attention measured at the planned
         # mean position in the profiled step (its slots' rows), other rows' steps by the roofline
@@ -142,11 +157,15 @@ def main() -> None:
                      for o in report.outcomes if o.ok]
             predicted = simulate(pctx, plan, max_context=max_context, feedback_s=feedback_s, link=link,
                                  min_prompt=cfg.min_prompt_bucket, draws=draws).summary()
+            contention, profile.contention = profile.contention, None  # the same, each worker a device of its own
+            alone = simulate(pctx, plan, max_context=max_context, feedback_s=feedback_s, link=link,
+                             min_prompt=cfg.min_prompt_bucket, draws=draws).summary()
+            profile.contention = contention
             before = simulate(plain_ctx, plain_plan, max_context=max_context, feedback_s=feedback_s, link=link,
                               min_prompt=cfg.min_prompt_bucket, draws=draws).summary()
             mean = simulate(mean_ctx, plan, max_context=max_context, feedback_s=feedback_s, link=link,
                             min_prompt=cfg.min_prompt_bucket, draws=draws).summary()
-            rows.append((rate, measured, predicted, before, mean))
+            rows.append((rate, measured, predicted, before, mean, alone))
     server.should_exit = True
     engine.stop()
 
@@ -158,18 +177,18 @@ def main() -> None:
           f"requests per rate, seed {args.seed}; measured by tessera bench | predicted by tessera simulate")
     print("| rate (req/s) | tokens/s | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) | completed |")
     print("|---|---|---|---|---|---|---|")
-    for rate, m, p, _, _ in rows:
+    for rate, m, p, *_ in rows:
         print(f"| {rate:g} | {f(m['throughput'])} \\| {f(p['throughput'])} | {f(m['ttft_p50_s'])} \\| "
               f"{f(p['ttft_p50_s'])} | {f(m['ttft_p99_s'])} \\| {f(p['ttft_p99_s'])} | "
               f"{f(m['tpot_p50_s'], 1e3, 0)} \\| {f(p['tpot_p50_s'], 1e3, 0)} | "
               f"{f(m['tpot_p99_s'], 1e3, 0)} \\| {f(p['tpot_p99_s'], 1e3, 0)} | "
               f"{m['completed']} \\| {p['completed']} |")
     overhead = profile.overhead.describe() if profile.overhead else "none"
-    print(f"\nhost overhead charged: {overhead}; the same runs predicted without it (measured | predicted | "
-          f"predicted without the host overhead):")
+    print(f"\nhost overhead charged: {overhead}; the same runs predicted as before (measured | predicted | "
+          f"predicted without the in-step excess and the contention):")
     print("| rate (req/s) | tokens/s | TTFT p50 (s) | TPOT p50 (ms) |")
     print("|---|---|---|---|")
-    for rate, m, p, b, _ in rows:
+    for rate, m, p, b, *_ in rows:
         print(f"| {rate:g} | {f(m['throughput'])} \\| {f(p['throughput'])} \\| {f(b['throughput'])} | "
               f"{f(m['ttft_p50_s'])} \\| {f(p['ttft_p50_s'])} \\| {f(b['ttft_p50_s'])} | "
               f"{f(m['tpot_p50_s'], 1e3, 0)} \\| {f(p['tpot_p50_s'], 1e3, 0)} \\| {f(b['tpot_p50_s'], 1e3, 0)} |")
@@ -177,10 +196,25 @@ def main() -> None:
           "position in the profiled step, the roofline in other rows' steps; measured | predicted | predicted before):")
     print("| rate (req/s) | tokens/s | TPOT p50 (ms) | TPOT p99 (ms) |")
     print("|---|---|---|---|")
-    for rate, m, p, _, a in rows:
+    for rate, m, p, _, a, _ in rows:
         print(f"| {rate:g} | {f(m['throughput'])} \\| {f(p['throughput'])} \\| {f(a['throughput'])} | "
               f"{f(m['tpot_p50_s'], 1e3, 0)} \\| {f(p['tpot_p50_s'], 1e3, 0)} \\| {f(a['tpot_p50_s'], 1e3, 0)} | "
               f"{f(m['tpot_p99_s'], 1e3, 0)} \\| {f(p['tpot_p99_s'], 1e3, 0)} \\| {f(a['tpot_p99_s'], 1e3, 0)} |")
+    figures = profile.contention.describe() if profile.contention else "none"
+    print(f"\ncontention charged: {figures}; the same runs predicted without it (measured | predicted | predicted "
+          f"with each worker a device of its own):")
+    print("| rate (req/s) | tokens/s | TTFT p50 (s) | TPOT p50 (ms) | TPOT p50 error |")
+    print("|---|---|---|---|---|")
+    def err(q, m):
+        if not m["tpot_p50_s"] or q["tpot_p50_s"] is None:
+            return "-"
+        return f"{(q['tpot_p50_s'] / m['tpot_p50_s'] - 1) * 100:+.0f}%"
+
+    for rate, m, p, _, _, a in rows:
+        print(f"| {rate:g} | {f(m['throughput'])} \\| {f(p['throughput'])} \\| {f(a['throughput'])} | "
+              f"{f(m['ttft_p50_s'])} \\| {f(p['ttft_p50_s'])} \\| {f(a['ttft_p50_s'])} | "
+              f"{f(m['tpot_p50_s'], 1e3, 0)} \\| {f(p['tpot_p50_s'], 1e3, 0)} \\| {f(a['tpot_p50_s'], 1e3, 0)} | "
+              f"{err(p, m)} \\| {err(a, m)} |")
 
 
 if __name__ == "__main__":

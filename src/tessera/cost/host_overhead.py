@@ -47,9 +47,11 @@ class HostOverhead:
     source: str = ""
     # (out, in, bytes/s) per measured 2-D weight shape: a GEMM reading only such weights streams each at its rate
     shape_bandwidth: tuple[tuple[int, int, float], ...] = ()
+    # host seconds a kernel takes inside a real step beyond its profile and dispatch_s (`runtime.step_excess_probe`)
+    in_step_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("dispatch_s", "engine_step_s"):
+        for name in ("dispatch_s", "engine_step_s", "in_step_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise HostOverheadError(f"host overhead {name} must be a finite number of seconds >= 0, got {value!r}")
@@ -73,16 +75,23 @@ class HostOverhead:
     def kernel_s(self, profiled_s: float, weight_bytes: float,
                  reads: list[tuple[tuple[int, ...], float]] | None = None) -> float:
         """A kernel's seconds inside a step of Tessera's engine: its profiled time, or its weights read from
-        memory where that takes longer (:meth:`read_s`), plus the executor's dispatch."""
-        return max(profiled_s, self.read_s(weight_bytes, reads)) + self.dispatch_s
+        memory where that takes longer (:meth:`read_s`), plus the executor's dispatch and the excess of a kernel
+        inside a real step (``in_step_s``)."""
+        return max(profiled_s, self.read_s(weight_bytes, reads)) + self.dispatch_s + self.in_step_s
 
     def with_engine_step(self, seconds: float, how: str) -> HostOverhead:
         """The same figures with the engine's per-step work ``seconds`` (measured as ``how``)."""
         return HostOverhead(self.dispatch_s, self.weight_bandwidth, seconds, self.threads,
-                            f"{self.source}; engine step {how}", self.shape_bandwidth)
+                            f"{self.source}; engine step {how}", self.shape_bandwidth, self.in_step_s)
+
+    def with_in_step(self, seconds: float, how: str) -> HostOverhead:
+        """The same figures with ``seconds`` more per kernel inside a real step (measured as ``how``)."""
+        return HostOverhead(self.dispatch_s, self.weight_bandwidth, self.engine_step_s, self.threads,
+                            f"{self.source}; in a step {how}", self.shape_bandwidth, seconds)
 
     def describe(self) -> str:
-        return (f"executor {self.dispatch_s * 1e6:.1f} us a kernel, weights from memory at "
+        step = f" + {self.in_step_s * 1e6:.1f} in a real step" if self.in_step_s else ""
+        return (f"executor {self.dispatch_s * 1e6:.1f} us a kernel{step}, weights from memory at "
                 f"{self.weight_bandwidth / 1e9:.2f} GB/s, engine {self.engine_step_s * 1e3:.2f} ms a step "
                 f"({self.threads} thread{'s' if self.threads != 1 else ''})")
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tessera.cost.contention import HostContention
 from tessera.cost.host_overhead import HostOverhead
 from tessera.cost.positions import PositionModel
 from tessera.documents import read_json
@@ -107,6 +108,8 @@ class Profile:
     # decode kernels whose time follows the cache position, fitted on the decode step profiled at two positions
     # (never in the file: the two profiles are): set by `host_profile` given the planned decode position
     positions: PositionModel | None = field(default=None, compare=False, repr=False)
+    # how two of the host's CPU workers slow each other (`tessera.cost.contention`), for the request simulator
+    contention: HostContention | None = field(default=None, compare=False, repr=False)
 
     @property
     def total_s(self) -> float:
@@ -134,6 +137,7 @@ class Profile:
         d.pop("version")
         d.pop("overhead")
         d.pop("positions")
+        d.pop("contention")
         return {"kind": PROFILE_KIND, "version": self.version, **d}
 
     def save(self, path: str | Path) -> None:
@@ -150,7 +154,8 @@ class Profile:
         if d.get("version") != PROFILE_VERSION:
             raise ProfileFormatError(f"{source}: profile version {d.get('version')!r} is not supported (expected "
                                      f"{PROFILE_VERSION}); {_REDO}")
-        names = [f.name for f in fields(cls) if f.name not in ("kernels", "version", "overhead", "positions")]
+        names = [f.name for f in fields(cls) if f.name not in ("kernels", "version", "overhead", "positions",
+                                                               "contention")]
         missing = [n for n in [*names, "kernels"] if n not in d]
         if missing:
             raise ProfileFormatError(f"{source}: profile lacks field(s) {', '.join(missing)}; {_REDO}")

@@ -39,6 +39,7 @@ from tessera.sched.scheduler import (
     Scheduler,
     stages_for,
 )
+from tessera.sim.contention import HostSharing
 from tessera.sim.step_timer import StepTimer
 from tessera.workload import ImagesWorkload, Workload, draw_requests
 
@@ -328,6 +329,7 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
     total = len(pending)
     reported = 0
     mixed = any(lane.devices for e in engines for lane in e.lanes)
+    sharing = HostSharing.for_engines(engines)  # steps beside each other on the host's CPU slow each other
     while True:
         # finish steps that end now
         for e in engines:
@@ -360,6 +362,8 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
             lane.step, lane.start_s, lane.busy_until, lane.last_bucket = step, now, now + dur, step.bucket
             lane.busy_s += dur
             e.steps += 1
+        if sharing is not None:
+            sharing.update(engines, now)
         candidates = [lane.busy_until for e in engines for lane in e.lanes if lane.step is not None]
         if nxt < total:
             candidates.append(pending[nxt].arrival_s)
