@@ -32,7 +32,7 @@ def measured(tmp_path_factory):
         graphs = runtime_graphs(str(folder), PROMPT, CTX, ROWS)
         profile = host_profile(str(folder), graphs, 1, decode_position=PROMPT + OUTPUT // 2)
     decode = graphs["decode"]
-    files = {p: Profile.load(cache / "profiles" / f"{decode.model}-decode-{decode.hash[:16]}-t1-p{p}.json")
+    files = {p: Profile.load(next((cache / "profiles").glob(f"{decode.model}-decode-{decode.hash[:16]}-t1-k*-p{p}.json")))
              for p in profile.positions.positions}
     return str(folder), graphs, profile, files
 

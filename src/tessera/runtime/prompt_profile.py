@@ -92,8 +92,7 @@ def serving_profile(model: str, graphs: dict[str, KernelGraph], threads: int, sl
 
 def with_prompt_kernels(profile, prompts: list):
     """``profile`` (a :class:`~tessera.cost.profile.Profile`) with the kernels of the prompt steps' profiles
-    ``prompts`` added; where both time a kernel (the same signature), the prompt steps' times stand (the run's
-    own prefill profile may be older code's: its cache is keyed by graph, not by code)."""
+    ``prompts`` added; where both time a kernel (the same signature), the prompt steps' times stand."""
     added = [k for p in prompts for k in p.kernels]
     if any(p.device != profile.device for p in prompts):
         raise PromptProfileError(f"prompt step profiles of {sorted({p.device for p in prompts})} cannot join a "

@@ -104,7 +104,8 @@ def placements_from_plan(plan: DeploymentPlan, graphs: dict[str, KernelGraph], w
 
 def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
                  log: Callable[[str], None] = lambda s: None, decode_position: int | None = None):
-    """This host's measured kernel times for the run's graphs at ``threads`` threads (cached per graph), with
+    """This host's measured kernel times for the run's graphs at ``threads`` threads (cached per graph, threads
+    and a digest of the timed code, `overhead_probe.code_digest`), with
     the host's costs of Tessera's engine beyond them (``overhead``: the executor's dispatch per kernel and
     weights read from memory, :mod:`tessera.runtime.overhead_probe`, cached per host and code).
 
@@ -122,12 +123,15 @@ def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
     from tessera.cost.positions import PositionModel, check_position, profiled_positions
     from tessera.cost.profile import cached_profile
     from tessera.paths import default_cache_dir
-    from tessera.runtime.overhead_probe import gemm_weight_shapes, host_overhead
+    from tessera.runtime.overhead_probe import code_digest, gemm_weight_shapes, host_overhead
     from tessera.runtime.profiler import profile_model
+
+    code = code_digest()  # a faster kernel or executor is profiled again
 
     def at(phase: str, g: KernelGraph, position: int):
         suffix = f"-p{position}" if position else ""
-        path = default_cache_dir() / "profiles" / f"{g.model}-{phase}-{g.hash[:16]}-t{threads}{suffix}.json"
+        path = (default_cache_dir() / "profiles" /
+                f"{g.model}-{phase}-{g.hash[:16]}-t{threads}-k{code}{suffix}.json")
 
         def measure(m=g.meta):
             where = f" at position {position}" if position else ""
