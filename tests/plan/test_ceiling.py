@@ -41,17 +41,31 @@ def test_the_floor_is_below_every_evaluated_cycle(ctx):
             assert floor <= evaluate(problem, a).cycle_s * (1 + 1e-9)
 
 
-def test_the_ceiling_is_above_every_plan_of_the_candidate(ctx):
+def _by_hand(ctx: PlanContext, targets, m: int, main_on: int, prompt_on: int):
+    """Every main-phase kernel on one target, every prefill kernel on one target."""
+    out = []
+    for ph in ctx.phases:
+        mm = m if ph is ctx.main_phase else 1
+        on = main_on if ph is ctx.main_phase else prompt_on
+        out.append((ph, mm, (on,) * ctx.step_problem(ph, targets, mm).problem.kernels, {}))
+    return out
+
+
+@pytest.mark.parametrize("workload", [TINY, "offline:prompts=azure-conv,out=8,requests=8"])
+def test_the_ceiling_is_above_every_plan_of_the_candidate(workload):
+    ctx = PlanContext("smollm2-135m", parse_cluster("A100:1,L40S:1"), parse_workload(workload), workload, gap=0.01)
     for r in ctx.replica_counts():
         widest = policies._replica(ctx, r)
         targets = cluster_targets(ctx.cluster, r)
         for m in widest.micro_batch_options(widest.main_phase):
             ceiling = throughput_ceiling(widest, targets, r, m, 1)
-            for follow in (True, False):
-                for chosen in policies._phase_chain(widest, targets, m, "throughput", None, None, follow, follow,
-                                                    memory=False):
-                    plan = widest.assemble_admitted("tessera", targets, r, chosen)
-                    assert plan.throughput <= ceiling * (1 + 1e-9), (r, m, follow)
+            chains = [chosen for follow in (True, False) for chosen in
+                      policies._phase_chain(widest, targets, m, "throughput", None, None, follow, follow, memory=False)]
+            # the lanes' cases: both phases on one target (taking turns), each alone on its own target
+            by_hand = [_by_hand(widest, targets, m, a, b) for a in range(len(targets)) for b in range(len(targets))]
+            for chosen in chains + by_hand:
+                plan = widest.assemble_admitted("tessera", targets, r, chosen)
+                assert plan.throughput <= ceiling * (1 + 1e-9), (r, m, [c[2][:1] for c in chosen])
 
 
 def test_cannot_beat():
