@@ -1,7 +1,7 @@
 """Wall time of one `tessera plan` command by stage (benchmarks/README.md, "Plan wall time").
 
 Runs the CLI in this process with the functions that do each stage wrapped, and prints exclusive seconds per
-stage (a stage excludes the stages nested in it): tracing (`capture.api.trace_model`), costing (graph facts,
+stage (a stage excludes the stages nested in it): tracing (`capture.trace_cache.trace_model_cached`: reading the cache, tracing on a miss), costing (graph facts,
 kernel times per target, step problems, expert splits), folding (`fold_groups`, `merge`, `layer_structure`),
 solving (`milp.solve_placement`, its heuristics included, and every other HiGHS run: the mixes' and
 the bound's LPs), evaluating
@@ -62,9 +62,9 @@ def _install() -> None:
     import tessera.plan.planner  # noqa: F401
     import tessera.plan.policies  # noqa: F401
 
-    _patch("tessera.capture.api", "trace_model", "tracing")
-    with contextlib.suppress(ImportError):  # reading the trace cache (where there is one) counts as tracing
-        _patch("tessera.capture.trace_cache", "trace_model_cached", "tracing")
+    # reading the trace cache and tracing on a miss count as tracing (not `capture.api.trace_model` itself: importing
+    # it imports torch, which a plan from cached graphs never loads)
+    _patch("tessera.capture.trace_cache", "trace_model_cached", "tracing")
     for attr in ("target_times", "build_step_problem", "_split_experts"):
         _patch("tessera.plan.build", attr, "costing")
     of = build.GraphFacts.of.__func__
@@ -92,8 +92,9 @@ def main(argv: list[str]) -> None:
     rest = wall - sum(_totals.values())
     print(out.getvalue(), end="")
     parts = sorted({**_totals, "other": rest}.items(), key=lambda kv: -kv[1])
-    print(f"wall {wall:.1f} s (plan {time.perf_counter() - began:.1f} s, cpu {time.process_time():.1f} s): " +
-          ", ".join(f"{k} {v:.1f}" for k, v in parts), file=sys.stderr)
+    print(f"wall {wall:.1f} s (plan {time.perf_counter() - began:.1f} s, cpu {time.process_time():.1f} s"
+          f"{', torch loaded' if 'torch' in sys.modules else ''}): " + ", ".join(f"{k} {v:.1f}" for k, v in parts),
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -235,3 +235,17 @@ def test_cpu_workers_split_the_cores(tmp_path, monkeypatch):
     assert resolve_device("cpu:64").threads == max(1, host_cores() // 64)  # 64: the most workers allowed
     with pytest.raises(ValueError, match="threads"):
         host_spec(0)
+
+
+def test_the_host_key_names_torch_as_installed_without_importing_it(monkeypatch):
+    import torch
+
+    from tessera.hardware import host
+
+    assert host._host_key(1)["torch"] == str(torch.__version__)  # the key cached measurements were filed under
+
+    def absent(name):
+        raise host.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(host.metadata, "version", absent)  # no package metadata: torch itself says
+    assert host._torch_version() == str(torch.__version__)

@@ -204,7 +204,7 @@ def test_a_start_assignment_is_never_lost(objective):
 @pytest.mark.parametrize("micro_batches", [1, 4])
 @pytest.mark.parametrize("seed,kernels,devices", [(20, 12, 2), (21, 9, 3), (23, 9, 3)])
 def test_relaxation_bound_never_exceeds_the_optimum(seed, kernels, devices, micro_batches):
-    from tessera.plan.milp import _balance_bound, _relaxation_lp, simple_bound
+    from tessera.plan.milp import _relaxation_lp, balance_bound, simple_bound
 
     p = random_problem(seed, kernels, devices, constraints=seed % 2 == 0, extras=True, micro_batches=micro_batches)
     for objective in ("throughput", "latency"):
@@ -213,7 +213,7 @@ def test_relaxation_bound_never_exceeds_the_optimum(seed, kernels, devices, micr
         assert 0 < relaxation.bound <= optimum * (1 + 1e-7)
         assert 0 < simple_bound(p, objective) <= relaxation.bound * (1 + 1e-7)
         if objective == "throughput":
-            assert 0 < _balance_bound(p, 10.0) <= relaxation.bound * (1 + 1e-7)
+            assert 0 < balance_bound(p, 10.0) <= relaxation.bound * (1 + 1e-7)
         assert relaxation.split.shape == p.times.shape
 
 

@@ -126,15 +126,16 @@ def trace_model_cached(model: str, phase: str, *, batch: int | None = None, seq:
                        slots: int | None = None, graph: str = DEFAULT_GRAPH,
                        on_trace: Callable[[], None] | None = None) -> KernelGraph:
     """`tessera.capture.api.trace_model` on ``meta``, read from the cache when this step was traced before
-    by the same code (and written to it otherwise); ``on_trace`` is called before a trace that runs."""
-    from tessera.capture.api import trace_model
-
+    by the same code (and written to it otherwise); ``on_trace`` is called before a trace that runs. A hit
+    imports neither torch nor the tracer."""
     key = trace_key(model, phase, batch=batch, seq=seq, ctx=ctx, image=image, resolution=resolution, slots=slots,
                     graph=graph) if enabled() else None
     if key is not None:
         hit = read(key)
         if hit is not None:
             return hit
+    from tessera.capture.api import trace_model  # on a miss only: it imports torch and transformers
+
     if on_trace is not None:
         on_trace()
     traced = trace_model(model, phase, batch=batch, seq=seq, ctx=ctx, image=image, resolution=resolution,

@@ -11,12 +11,11 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-import tessera.kernels  # noqa: F401  (the fused ops declare their GEMM shapes when registered)
 from tessera.cost.classes import COST_CLASSES
 from tessera.cost.options import CostOptions
 from tessera.cost.routing import RoutingDistribution
+from tessera.graph.fused_shapes import FUSED_GEMMS, op_base_name
 from tessera.graph.ir import Access, Kernel, KernelGraph
-from tessera.graph.opclass import FUSED, op_base_name
 
 GEMV_MAX_ROWS = 16  # a GEMM with at most this many rows (tokens) per matrix streams its weights: a GEMV
 TENSOR_CORE_CLASSES = ("gemm", "gemv", "grouped_gemm", "attention", "conv")
@@ -29,9 +28,9 @@ def gemm_dims(kernel: Kernel) -> tuple[int, int, int, int] | None:
     """(batch, M rows, N columns, K depth) of a matrix-multiply kernel, None for other kernels."""
     name, s = op_base_name(kernel.op), kernel.shapes
     try:
-        info = FUSED.get(name)
-        if info is not None:
-            return info.gemm(s) if info.gemm is not None else None
+        fused = FUSED_GEMMS.get(name)  # Tessera's fused GEMM units (no fused op shares an aten GEMM's name)
+        if fused is not None:
+            return fused(s)
         if name in ("mm", "matmul") and len(s[0]) == 2:
             return 1, s[0][0], s[1][1], s[0][1]
         if name == "addmm":

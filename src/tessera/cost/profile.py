@@ -20,7 +20,7 @@ from tessera.cost.host_overhead import HostOverhead
 from tessera.cost.positions import PositionModel
 from tessera.documents import read_json
 from tessera.errors import TesseraError
-from tessera.graph.codec import dtype_from_name
+from tessera.graph.dtypes import dtype_itemsize
 from tessera.graph.ir import Kernel
 from tessera.paths import atomic_write
 
@@ -37,7 +37,7 @@ class ProfileFormatError(TesseraError, ValueError):
 def _layout(ref: list) -> list:
     """An encoded TensorRef without its buffer name: dtype, sizes, strides and start alignment."""
     _, dtype, offset, sizes, strides = ref
-    align = (int(offset) * dtype_from_name(dtype).itemsize) % _ALIGN_BYTES
+    align = (int(offset) * dtype_itemsize(dtype)) % _ALIGN_BYTES
     # the stride of a size-1 dimension is never followed (and differs between meta and device traces)
     return [dtype, list(sizes), [0 if n == 1 else st for n, st in zip(sizes, strides, strict=True)], align]
 

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from tessera.graph.fused_shapes import FUSED_GEMMS, op_base_name
+
 OP_CLASSES = ("gemm", "grouped_gemm", "attention", "conv", "embedding", "reduction", "norm", "scan",
               "copy", "elementwise")
 
@@ -45,7 +47,8 @@ class FusedOpInfo:
 
     ``flops(args, kwargs, out)`` counts its floating-point operations from the op's arguments at trace
     time; ``gemm(shapes)`` gives (batch, M, N, K) of a matrix-multiply unit from the shapes of its tensor
-    arguments in order, as a recorded kernel lists them; ``traffic(args, kwargs, out)`` gives (bytes read,
+    arguments in order, as a recorded kernel lists them (declared in :mod:`tessera.graph.fused_shapes`, which
+    the cost model reads without importing torch); ``traffic(args, kwargs, out)`` gives (bytes read,
     bytes written) of a unit that touches only part of an argument it is given whole (a cache write through
     slot indices), where the default (every argument read whole, mutated ones written whole) overstates it.
     """
@@ -60,22 +63,19 @@ FUSED: dict[str, FusedOpInfo] = {}
 
 
 def register_fused(name: str, op_class: str, *, flops: Callable[[tuple, dict, Any], int] | None = None,
-                   gemm: Callable[[list[list[int]]], tuple[int, int, int, int]] | None = None,
                    traffic: Callable[[tuple, dict, Any], tuple[int, int]] | None = None) -> None:
-    """Declare the class, FLOP formula, GEMM shape and (optionally) memory traffic of the fused op ``name``
-    (its base name, e.g. ``merged_linear``); a second registration of the same name must agree with the first."""
+    """Declare the class, FLOP formula and (optionally) memory traffic of the fused op ``name`` (its base name,
+    e.g. ``merged_linear``), with its GEMM shape from :data:`tessera.graph.fused_shapes.FUSED_GEMMS` (a GEMM
+    or grouped GEMM op must have one there); a second registration of the same name must agree with the first."""
     if op_class not in OP_CLASSES:
         raise ValueError(f"fused op {name!r}: unknown op class {op_class!r} (one of {', '.join(OP_CLASSES)})")
+    gemm = FUSED_GEMMS.get(name)
+    if op_class in ("gemm", "grouped_gemm") and gemm is None:
+        raise ValueError(f"fused {op_class} op {name!r} has no GEMM shape: declare it in tessera.graph.fused_shapes")
     info = FusedOpInfo(op_class, flops, gemm, traffic)
     if name in FUSED and FUSED[name].op_class != op_class:
         raise ValueError(f"fused op {name!r} registered twice with different classes")
     FUSED[name] = info
-
-
-def op_base_name(op: str) -> str:
-    """``aten.mm.default`` -> ``mm``; ``tessera.decode_attention.default`` -> ``decode_attention``."""
-    parts = op.split(".")
-    return parts[1] if len(parts) >= 2 else op
 
 
 def op_class(op: str) -> str:

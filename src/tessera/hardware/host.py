@@ -10,6 +10,7 @@ import statistics
 import time
 from collections.abc import Callable
 from datetime import date
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -154,11 +155,20 @@ def _measure_host(threads: int) -> dict[str, Any]:
                      f"median torch.add dispatch; {llc_note}; {clock_note}"}
 
 
-def _host_key(threads: int) -> dict[str, Any]:
-    import torch
+def _torch_version() -> str:
+    """torch's version as installed (what ``torch.__version__`` says), read without importing torch where
+    the package's metadata has it: a plan from cached measurements then never loads torch."""
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        import torch
 
+        return str(torch.__version__)
+
+
+def _host_key(threads: int) -> dict[str, Any]:
     return {"version": _HOST_CACHE_VERSION, "cpu": cpu_model(), "machine": platform.machine(),
-            "cores": host_cores(), "threads": threads, "torch": torch.__version__}
+            "cores": host_cores(), "threads": threads, "torch": _torch_version()}
 
 
 def _host_cache_file(key: dict[str, Any]) -> Path:

@@ -36,13 +36,6 @@ def _(x, weights, biases):
     return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
 
 
-def _merged_gemm(shapes: list[list[int]]) -> tuple[int, int, int, int]:
-    """(1, rows, sum N, K) from [x, w_0.., b_0..] shapes (weights are the 2-D ones after x)."""
-    x = shapes[0]
-    n = sum(s[0] for s in shapes[1:] if len(s) == 2)
-    return 1, math.prod(x[:-1]), n, x[-1]
-
-
 def _merged_flops(args, kwargs, out) -> int:
     x, weights = args[0], args[1]
     biases = args[2] if len(args) > 2 else kwargs.get("biases")
@@ -51,4 +44,4 @@ def _merged_flops(args, kwargs, out) -> int:
     return 2 * rows * k * n + (rows * n if biases else 0)
 
 
-register_fused("merged_linear", "gemm", flops=_merged_flops, gemm=_merged_gemm)
+register_fused("merged_linear", "gemm", flops=_merged_flops)

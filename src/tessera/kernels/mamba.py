@@ -286,12 +286,7 @@ def _(B, x, dt, dA_cumsum):
     return x.new_empty(b, nc, h, p, B.shape[-1], dtype=torch.float32)
 
 
-def _chunk_state_gemm(s: list[list[int]]) -> tuple[int, int, int, int]:
-    (_, _, _, _, n), (b, nc, L, h, p) = s[0], s[1]
-    return b * nc * h, p, n, L  # per (row, chunk, head): (dt x)^T [P, L] @ decayed B [L, N]
-
-
-register_fused("ssd_chunk_state", "gemm", gemm=_chunk_state_gemm,
+register_fused("ssd_chunk_state", "gemm",
                flops=lambda a, k, out: 2 * out.numel() * a[1].shape[2])
 
 
@@ -340,12 +335,7 @@ def _(C, B):
     return C.new_empty(b, nc, g, L, L, dtype=torch.float32)
 
 
-def _bmm_chunk_gemm(s: list[list[int]]) -> tuple[int, int, int, int]:
-    b, nc, L, g, n = s[0]
-    return b * nc * g, L, L, n
-
-
-register_fused("ssd_bmm_chunk", "gemm", gemm=_bmm_chunk_gemm,
+register_fused("ssd_bmm_chunk", "gemm",
                flops=lambda a, k, out: 2 * out.numel() * a[0].shape[-1])
 
 
@@ -377,17 +367,12 @@ def _(x, CB, dt, dA_cumsum, C, states, D):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _chunk_scan_gemm(s: list[list[int]]) -> tuple[int, int, int, int]:
-    (b, nc, L, h, p), n = s[0], s[4][-1]
-    return b * nc * h, L, p, L + n  # per (row, chunk, head): [CB*decay | C] [L, L+N] @ [dt x ; state^T]
-
-
 def _chunk_scan_flops(a, k, out) -> int:
     b, nc, L, h, p = a[0].shape
     return 2 * b * nc * h * L * p * (L + a[4].shape[-1]) + 4 * out.numel()
 
 
-register_fused("ssd_chunk_scan", "gemm", gemm=_chunk_scan_gemm, flops=_chunk_scan_flops)
+register_fused("ssd_chunk_scan", "gemm", flops=_chunk_scan_flops)
 
 
 # ---------------------------------------------------------------------------------------------------

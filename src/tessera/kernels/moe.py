@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tessera.graph.fused_shapes import moe_gemm_dims, moe_mxfp4_gemm_dims
 from tessera.graph.opclass import register_fused
 from tessera.kernels.bodies import custom_op
 from tessera.kernels.mxfp4 import dequantize_weight
@@ -186,25 +187,6 @@ def _(x, perm, weights):
 # Cost facts: shapes are the ops' tensor arguments in order (None arguments are absent)
 
 
-def _rows(shapes: list[list[int]], perm_at: int) -> int:
-    """M: the permutation's length (1-D at ``perm_at``) when the GEMM gathers, else x's rows."""
-    if len(shapes) > perm_at and len(shapes[perm_at]) == 1:
-        return shapes[perm_at][0]
-    return shapes[0][0]
-
-
-def _moe_gemm_dims(shapes: list[list[int]]) -> tuple[int, int, int, int]:
-    x, w = shapes[0], shapes[1]
-    k = x[-1]
-    n = w[2] if w[1] == k else w[1]
-    return 1, _rows(shapes, 3), n, k
-
-
-def _mxfp4_gemm_dims(shapes: list[list[int]]) -> tuple[int, int, int, int]:
-    blocks = shapes[1]
-    return 1, _rows(shapes, 4), blocks[1], blocks[2] * blocks[3] * 2
-
-
 def _gemm_flops(dims):
     def flops(args, kwargs, out) -> int:
         shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
@@ -215,7 +197,7 @@ def _gemm_flops(dims):
 
 register_fused("topk_gating", "reduction")
 register_fused("moe_align", "scan")
-register_fused("moe_gemm", "grouped_gemm", flops=_gemm_flops(_moe_gemm_dims), gemm=_moe_gemm_dims)
-register_fused("moe_mxfp4_gemm", "grouped_gemm", flops=_gemm_flops(_mxfp4_gemm_dims), gemm=_mxfp4_gemm_dims)
+register_fused("moe_gemm", "grouped_gemm", flops=_gemm_flops(moe_gemm_dims))
+register_fused("moe_mxfp4_gemm", "grouped_gemm", flops=_gemm_flops(moe_mxfp4_gemm_dims))
 register_fused("swigluoai_and_mul", "elementwise", flops=lambda args, kwargs, out: 6 * out.numel())
 register_fused("moe_sum", "reduction", flops=lambda args, kwargs, out: 2 * args[0].numel())

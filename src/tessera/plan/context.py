@@ -115,6 +115,7 @@ class PlanCache:
     over_prompts: dict[tuple, tuple] = field(default_factory=dict)  # prompt phases costed over prompt lengths
     bounds: dict[int, Any] = field(default_factory=dict)  # the case's ThroughputBound by batch (plan.bound)
     step_timers: dict[tuple, Any] = field(default_factory=dict)  # the simulator's step timers by engine
+    cycle_floors: dict[tuple, float] = field(default_factory=dict)  # main steps' least cycles (plan.ceiling)
 
 
 @dataclass(frozen=True)

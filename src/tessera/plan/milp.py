@@ -486,7 +486,7 @@ def simple_bound(problem: PlacementProblem, objective: str) -> float:
     return bound
 
 
-def _balance_bound(problem: PlacementProblem, time_limit_s: float) -> float:
+def balance_bound(problem: PlacementProblem, time_limit_s: float) -> float:
     """M x the busiest device when kernels may be split over devices and transfers are free (an LP of
     only the assignment and busy rows: fast where the relaxation's is not); 0 if not solved in time
     (``time_limit_s`` counts building the model too)."""
@@ -580,7 +580,7 @@ def solve_placement(problem: PlacementProblem, objective: str = "throughput", *,
         raise SolverError(_infeasible_reason(problem))
     lower = max(relaxation.bound or 0.0, simple_bound(problem, objective))
     if relaxation.bound is None and objective == "throughput":  # the LP ran out of time: balance alone
-        lower = max(lower, _balance_bound(problem, 0.1 * time_limit_s))
+        lower = max(lower, balance_bound(problem, 0.1 * time_limit_s))
     lp_s = time.perf_counter() - t0
 
     left = time_limit_s - lp_s

@@ -19,8 +19,10 @@ Every policy optimises its own knobs (device choice, replicas, M, orientation, s
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -28,6 +30,7 @@ import numpy as np
 from tessera.capture.trace_facts import graph_layers
 from tessera.errors import TesseraError
 from tessera.plan.admission import round_batch
+from tessera.plan.ceiling import cannot_beat, throughput_ceiling
 from tessera.plan.config import DEFAULT_MIX_MIN_GAIN, PolicyError
 from tessera.plan.context import Chosen, PhaseSpec, PlanContext, PlanningError
 from tessera.plan.deployment import DeploymentPlan
@@ -513,10 +516,13 @@ def _same_stack(ctx: PlanContext, phase: PhaseSpec) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 # Tessera
 
-def _promising_m(ctx: PlanContext, targets, objective: str, keep: int = 2) -> list[int]:
-    """The M values worth the full search: the main phase alone is solved at every M and the ``keep`` with
-    the shortest cycles go on (the baselines' plans, which Tessera also weighs, cover the other M)."""
+def _promising_m(ctx: PlanContext, targets, objective: str, keep: int = 2,
+                 hopeless: Callable[[int], bool] = lambda m: False) -> list[int]:
+    """The M values worth the full search: the main phase alone is solved at every M (but those
+    ``hopeless`` says no plan of can win) and the ``keep`` with the shortest cycles go on (the baselines'
+    plans, which Tessera also weighs, cover the other M)."""
     options = ctx.micro_batch_options(ctx.main_phase) if objective == "throughput" else [1]
+    options = [m for m in options if not hopeless(m)]
     if len(options) <= keep:
         return options
     main = ctx.main_phase
@@ -614,20 +620,47 @@ def adopt_mix(ctx: PlanContext, best: DeploymentPlan, mix: DeploymentPlan | None
     return best
 
 
+def _incumbent(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan]) -> float | None:
+    """The throughput Tessera's plan reaches at least, from the baselines it weighs (those it may tie with):
+    a candidate whose ceiling is below it cannot change the plan (None: no such baseline, or the latency
+    objective, where nothing is skipped)."""
+    if objective != "throughput":
+        return None
+    usable = [b.throughput for b in baselines if b.applicable and b.feasible
+              and not (b.policy == "request-dist" and ctx.single_replica)]
+    return max(usable, default=None)
+
+
+def _hopeless(outer: PlanContext, r: int, targets: list[Target], parts: tuple[int, ...], incumbent: float | None,
+              m: int) -> bool:
+    """Whether no plan of ``r`` replicas over ``targets`` at M = ``m`` (with any of these expert splits) can
+    beat a feasible plan of ``incumbent`` throughput (`tessera.plan.ceiling`)."""
+    if incumbent is None:
+        return False
+    widest = _replica(outer, r)  # engines at the most they may admit
+    return all(cannot_beat(throughput_ceiling(widest, targets, r, m, p), incumbent) for p in parts)
+
+
 def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | None = None) -> DeploymentPlan:
     """Kernel placement over folded layers, replicas and M; never worse than the baselines it contains."""
     best = None
     outer = ctx
     seeds = [b for b in (baselines or []) if b.applicable and b.feasible and b.policy != "request-dist"]
+    incumbent = _incumbent(outer, objective, baselines or [])
+    variant_parts = (1, EXPERT_PARTS) if ctx.spec.family == "moe" and ctx.split_experts else (1,)
     began = outer.solve_seconds
     stopped = ""
+    pruned = 0
     for r, ctx, memory in _tessera_batches(outer, seeds):
         main = ctx.main_phase
         targets = cluster_targets(ctx.cluster, r)
         if r > 1 and not ctx.can_hold(targets):
             ctx.say(f"tessera: {r} replicas cannot hold the model's weights and state; skipped")
             continue
-        for m in _promising_m(ctx, targets, objective):
+        options = ctx.micro_batch_options(main) if objective == "throughput" else [1]
+        hopeless = functools.partial(_hopeless, outer, r, targets, variant_parts, incumbent)
+        pruned += sum(map(hopeless, options))
+        for m in _promising_m(ctx, targets, objective, hopeless=hopeless):
             start = None
             for b in seeds:
                 step = b.step(main.phase, objective) or b.step(main.phase)
@@ -638,6 +671,9 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
             if ctx.spec.family == "moe" and ctx.split_experts:  # experts may also be split over the targets
                 variants.append((True, True, EXPERT_PARTS))
             for follow, pin_state, parts in variants:
+                if _hopeless(outer, r, targets, (parts,), incumbent, m):
+                    pruned += 1
+                    continue
                 if best is not None and outer.solve_seconds - began > outer.search_time_s:
                     stopped = (f"the search stopped at its {outer.search_time_s:g} s solver budget before replicas {r}, "
                                f"M={m}")
@@ -649,11 +685,17 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
                     ctx.say(f"tessera: replicas {r}, M={m}: {e}")
                     continue
                 for chosen in results:
-                    best = _better(best, ctx.assemble_admitted("tessera", targets, r, chosen, objective), objective)
+                    plan = ctx.assemble_admitted("tessera", targets, r, chosen, objective)
+                    best = _better(best, plan, objective)
+                    if incumbent is not None and plan.feasible:
+                        incumbent = max(incumbent, plan.throughput)
             ctx.say(f"tessera: replicas {r}, M={m}: best so far {best.throughput:,.1f} {ctx.unit}"
                     f"{'' if best.feasible else ' (does not fit memory)'}" if best else
                     f"tessera: replicas {r}, M={m}: no plan")
     ctx = outer
+    if pruned:
+        ctx.say(f"tessera: {pruned} candidates (replicas and M, or a variant of them) skipped: no plan of theirs "
+                "can beat a feasible plan in hand (tessera.plan.ceiling)")
     if stopped:
         ctx.say(f"tessera: {stopped}")
     for b in baselines or []:
