@@ -28,8 +28,7 @@ def main() -> None:
 
     from bench_serve import _start_server  # uvicorn on a free port, in a thread
     from tessera.plan.planner import plan_policy
-    from tessera.runtime.pool import WorkerPool
-    from tessera.runtime.probe import measure_round_trip
+    from tessera.runtime.pair_costs import local_pair_costs
     from tessera.runtime.session import host_profile, planned_decode_position, runtime_context, runtime_graphs
     from tessera.serve.bench import run_bench
     from tessera.serve.config import ServeConfig
@@ -40,11 +39,7 @@ def main() -> None:
     torch.set_num_threads(1)
     say = lambda s: print(s, file=sys.stderr)  # noqa: E731
     cfg = ServeConfig(MODEL, "cpu:2", threads=1)
-    probe = WorkerPool.local(2, 1)
-    try:
-        feedback_s = measure_round_trip(probe, probe.alive, output_bytes=4 * 49152 * cfg.slots // 2)
-    finally:
-        probe.close()
+    _, feedback_s = local_pair_costs(output_bytes=4 * 49152 * cfg.slots // 2)
     served = runtime_policy(cfg, 2, 1, say)
     base = runtime_graphs(MODEL, PLAN_PROMPT, cfg.max_context, cfg.slots)
     profile = host_profile(MODEL, base, 1, say, planned_decode_position(PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context))

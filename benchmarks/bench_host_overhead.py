@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from collections import defaultdict
 
 MODEL = "smollm2-135m"
@@ -36,7 +35,7 @@ def main() -> None:
     from tessera.runtime.executor import Executor
     from tessera.runtime.overhead_probe import gemm_weight_shapes, host_overhead
     from tessera.runtime.profiler import build_profile_step, profile_graph
-    from tessera.runtime.step_excess_probe import with_step_excess
+    from tessera.runtime.step_excess_probe import timed_passes, with_step_excess
     from tessera.weights import unique_state
 
     torch.set_num_threads(1)
@@ -57,23 +56,7 @@ def main() -> None:
         program = single_device_program(graph, "cpu")
         ex = Executor(graph, program, weights, torch.device("cpu"))
         state = {n: t.clone() for n, t in step.state.items()}
-        per: dict[int, list[float]] = defaultdict(list)
-        passes = []
-        with torch.no_grad():
-            for p in range(args.passes + 2):
-                t0 = time.perf_counter()
-                ex.prepare(step.inputs, state)
-                for ins in program.instructions:
-                    if ins.kind == "run":
-                        k0 = time.perf_counter()
-                        ex.run_kernel(ins.kernel)
-                        if p >= 2:
-                            per[ins.kernel].append(time.perf_counter() - k0)
-                    elif ins.kind == "free":
-                        ex.free(ins.buffer)
-                ex.release()
-                if p >= 2:
-                    passes.append(time.perf_counter() - t0)
+        per, passes = timed_passes(ex, program, step.inputs, state, args.passes)
         measured = statistics.median(passes)
         profiled, model = sum(c.time_s for c in plain), sum(c.time_s for c in charged)
         rows.append((f"{phase} {batch}x{seq or 1}", len(graph.kernels), measured, profiled, model, prof.overhead,

@@ -69,8 +69,7 @@ def main() -> None:
     import torch
 
     from tessera.plan.planner import plan_policy
-    from tessera.runtime.pool import WorkerPool
-    from tessera.runtime.probe import measure_link, measure_round_trip
+    from tessera.runtime.pair_costs import local_pair_costs
     from tessera.runtime.prompt_profile import serving_profile
     from tessera.runtime.session import host_profile, planned_decode_position, runtime_context, runtime_graphs
     from tessera.serve.bench import run_bench
@@ -83,12 +82,7 @@ def main() -> None:
     say = lambda s: print(s, file=sys.stderr)  # noqa: E731
     # the simulator's inputs for this host: the worker link and the driver's round trip, measured on a pool of
     # its own, and the policy's plan on cpu:2 with this host's profiled kernel times
-    probe = WorkerPool.local(2, 1)
-    try:
-        link = measure_link(probe).link
-        feedback_s = measure_round_trip(probe, probe.alive, output_bytes=4 * 49152 * args.slots // 2)
-    finally:
-        probe.close()
+    link, feedback_s = local_pair_costs(output_bytes=4 * 49152 * args.slots // 2)
     say(f"measured link: {link.latency_s * 1e6:.0f} us + bytes / {link.bandwidth / 1e9:.2f} GB/s; driver round "
         f"trip {feedback_s * 1e3:.2f} ms")
     base = runtime_graphs(MODEL, PLAN_PROMPT, max_context, args.slots)

@@ -48,8 +48,7 @@ def main() -> None:
     import torch
 
     from tessera.plan.planner import plan_policy
-    from tessera.runtime.pool import WorkerPool
-    from tessera.runtime.probe import measure_link, measure_round_trip
+    from tessera.runtime.pair_costs import local_pair_costs
     from tessera.runtime.session import host_profile, runtime_context, runtime_graphs
     from tessera.serve.config import ServeConfig
     from tessera.serve.engine import GenerationParams
@@ -60,12 +59,7 @@ def main() -> None:
     torch.set_num_threads(1)
     slots, max_context = 8, 128
     say = lambda s: print(s, file=sys.stderr)  # noqa: E731
-    probe = WorkerPool.local(2, 1)
-    try:
-        link = measure_link(probe).link
-        feedback_s = measure_round_trip(probe, probe.alive, output_bytes=4 * 49152 * slots // 2)
-    finally:
-        probe.close()
+    link, feedback_s = local_pair_costs(output_bytes=4 * 49152 * slots // 2)
     base = runtime_graphs(MODEL, PLAN_PROMPT, max_context, slots)
     profile = host_profile(MODEL, base, 1, say)
     pctx = runtime_context(MODEL, 2, PLAN_PROMPT, 64, max_context, slots, 1, profile, say)

@@ -175,8 +175,7 @@ def main() -> None:
     import uvicorn
 
     from tessera.plan.planner import plan_policy
-    from tessera.runtime.pool import WorkerPool
-    from tessera.runtime.probe import measure_link, measure_round_trip
+    from tessera.runtime.pair_costs import local_pair_costs
     from tessera.runtime.prompt_profile import serving_profile
     from tessera.runtime.session import host_profile, planned_decode_position, runtime_context, runtime_graphs
     from tessera.serve.api import create_app
@@ -187,12 +186,7 @@ def main() -> None:
     torch.set_num_threads(1)
     slots, max_context = 8, 128
     say = lambda s: print(s, file=sys.stderr)  # noqa: E731
-    probe = WorkerPool.local(2, 1)
-    try:
-        link = measure_link(probe).link
-        feedback_s = measure_round_trip(probe, probe.alive, output_bytes=4 * 49152 * slots // 2)
-    finally:
-        probe.close()
+    link, feedback_s = local_pair_costs(output_bytes=4 * 49152 * slots // 2)
     base = runtime_graphs(MODEL, PLAN_PROMPT, max_context, slots)
     position = planned_decode_position(PLAN_PROMPT, PLAN_OUTPUT, max_context)
     # the simulator before (the planned prompt step profiled, the others by the roofline) and after (every served

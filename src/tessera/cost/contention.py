@@ -13,14 +13,13 @@ the probe found them to differ.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tessera.cost.figure_cache import read_figures, write_figures
 from tessera.errors import TesseraError
-from tessera.paths import atomic_write
 
 CONTENTION_KIND = "tessera-host-contention"
 CONTENTION_VERSION = 1
@@ -100,20 +99,10 @@ class HostContention:
 
 
 def read_cached(path: Path, key: dict[str, Any], quiet: bool = False) -> HostContention | None:
-    """The figures cached at ``path`` if measured for ``key``; None when absent, for another key, unreadable, or
-    (``quiet``: the host is quiet now) measured while it was busy."""
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(d, dict) or d.get("key") != key or (quiet and d.get("busy", True)):
-        return None
-    try:
-        return HostContention.from_dict(d, str(path))
-    except HostContentionError:
-        return None
+    """The figures cached at ``path`` if measured for ``key`` (`tessera.cost.figure_cache.read_figures`)."""
+    return read_figures(path, key, HostContention.from_dict, quiet)
 
 
 def write_cached(path: Path, key: dict[str, Any], figures: HostContention, busy: bool = False) -> None:
     """Cache ``figures`` at ``path`` for ``key`` (atomically); ``busy``: measured on a busy host."""
-    atomic_write(path, json.dumps({**figures.to_dict(key), "busy": busy}, indent=2, sort_keys=True))
+    write_figures(path, figures.to_dict(key), busy)

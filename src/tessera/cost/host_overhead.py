@@ -13,14 +13,13 @@ profile's 9-22 GB/s from the last-level cache.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tessera.cost.figure_cache import read_figures, write_figures
 from tessera.errors import TesseraError
-from tessera.paths import atomic_write
 
 OVERHEAD_KIND = "tessera-host-overhead"
 OVERHEAD_VERSION = 2  # 2: weight bandwidth per shape
@@ -118,22 +117,10 @@ class HostOverhead:
 
 
 def read_cached(path: Path, key: dict[str, Any], quiet: bool = False) -> HostOverhead | None:
-    """The figures cached at ``path`` if they were measured for ``key`` (this host, these threads, this code);
-    None when absent, for another key, unreadable, or (``quiet``: the host is quiet now) measured while it was
-    busy: measure again."""
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(d, dict) or d.get("key") != key or (quiet and d.get("busy", True)):
-        return None
-    try:
-        return HostOverhead.from_dict(d, str(path))
-    except HostOverheadError:
-        return None
+    """The figures cached at ``path`` if measured for ``key`` (`tessera.cost.figure_cache.read_figures`)."""
+    return read_figures(path, key, HostOverhead.from_dict, quiet)
 
 
 def write_cached(path: Path, key: dict[str, Any], overhead: HostOverhead, busy: bool = False) -> None:
-    """Cache ``overhead`` at ``path`` for ``key`` (atomically); ``busy``: measured while the host was busy with
-    other work (replaced by the next measurement on a quiet host)."""
-    atomic_write(path, json.dumps({**overhead.to_dict(key), "busy": busy}, indent=2, sort_keys=True))
+    """Cache ``overhead`` at ``path`` for ``key`` (atomically); ``busy``: measured on a busy host."""
+    write_figures(path, overhead.to_dict(key), busy)

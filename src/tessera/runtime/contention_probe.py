@@ -11,8 +11,6 @@ Cached per host, threads, model, shapes and a digest of the timed code.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import statistics
 import time
@@ -24,7 +22,8 @@ from typing import Any
 
 from tessera.cost.contention import KINDS, HostContention, read_cached, write_cached
 from tessera.errors import TesseraError
-from tessera.paths import default_cache_dir
+from tessera.runtime.host_figures import LoadWatch, cached_or_measured, figures_path
+from tessera.runtime.host_figures import code_digest as digest_of
 
 _PROBE_VERSION = 1
 _START_TIMEOUT_S = 600.0  # loading and tracing a model's two steps in each process
@@ -253,15 +252,8 @@ _TIMED_SOURCES = ("runtime/executor.py", "runtime/contention_probe.py", "kernels
 
 
 def code_digest() -> str:
-    """A digest of the sources whose speed the figures are of."""
-    root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
-    for rel in _TIMED_SOURCES:
-        path = root / rel
-        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            h.update(str(f.relative_to(root)).encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+    """A digest of the sources whose speed the figures are of (``_TIMED_SOURCES``)."""
+    return digest_of(_TIMED_SOURCES)
 
 
 def contention_key(model: str, threads: int, shapes: ProbeShapes) -> dict[str, Any]:
@@ -284,27 +276,17 @@ def host_contention(model: str, threads: int = 1, shapes: ProbeShapes | None = N
     """This host's :class:`HostContention` for ``model`` at ``threads`` threads per worker: measured on first
     use (tens of seconds) and cached under ``<cache>/host/contention-*.json``; figures measured while the host
     was busy (a load average at or above its cores) are used until a use on a quiet host measures them again."""
-    from tessera.hardware.host import host_cores
-
     shapes = shapes or ProbeShapes()
     key = contention_key(model, threads, shapes)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = (cache_dir or default_cache_dir() / "host") / f"contention-{threads}t-{digest}.json"
-    cached = read_cached(path, key, quiet=os.getloadavg()[0] < host_cores())
-    if cached is not None:
-        return cached
-    log(f"measuring how two CPU workers slow each other at {threads} thread(s) each (cached in {path.parent})")
-    load = os.getloadavg()[0]
-    figures, samples = measure_contention(model, threads, shapes, rounds, passes, log)
-    load = max(load, os.getloadavg()[0])
-    walls = ", ".join(f"{k} x{statistics.median(v):.2f}" for k, v in samples["wall"].items())
-    figures = HostContention(figures.factors, threads,
-                             f"measured {date.today().isoformat()} at load average {load:.1f}: {model} decode at "
-                             f"{shapes.decode_rows} rows and prefill of {shapes.prompt} tokens, each timed (thread CPU "
-                             f"seconds) alone and beside the other process's step, {rounds} rounds x 2 processes, "
-                             f"median of {2 * rounds} samples; wall-clock medians {walls}")
-    busy = load >= host_cores()
-    if busy:
-        log(f"the host was busy (load average {load:.1f}): these figures are measured again once it is quiet")
-    write_cached(path, key, figures, busy)
-    return figures
+
+    def measure(watch: LoadWatch) -> HostContention:
+        figures, samples = measure_contention(model, threads, shapes, rounds, passes, log)
+        walls = ", ".join(f"{k} x{statistics.median(v):.2f}" for k, v in samples["wall"].items())
+        return HostContention(figures.factors, threads,
+                              f"measured {date.today().isoformat()} at load average {watch.peak():.1f}: {model} "
+                              f"decode at {shapes.decode_rows} rows and prefill of {shapes.prompt} tokens, each timed "
+                              f"(thread CPU seconds) alone and beside the other process's step, {rounds} rounds x 2 "
+                              f"processes, median of {2 * rounds} samples; wall-clock medians {walls}")
+
+    return cached_or_measured(figures_path("contention", threads, key, cache_dir), key, read_cached, write_cached,
+                              measure, f"how two CPU workers slow each other at {threads} thread(s) each", log)

@@ -7,9 +7,6 @@ read from an old file.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import platform
 import statistics
 import time
@@ -23,7 +20,8 @@ import torch
 from tessera.cost.host_overhead import HostOverhead, read_cached, write_cached
 from tessera.errors import TesseraError
 from tessera.limits import THREADS
-from tessera.paths import default_cache_dir
+from tessera.runtime.host_figures import LoadWatch, cached_or_measured, figures_path
+from tessera.runtime.host_figures import code_digest as digest_of
 
 _PROBE_VERSION = 2  # 2: bandwidth per weight shape
 # the code whose speed the figures are of: a change to any of these measures them again
@@ -159,14 +157,7 @@ def gemm_weight_shapes(graphs, limit: int = 8) -> dict[tuple[int, int], int]:
 
 def code_digest() -> str:
     """A digest of the sources whose speed the figures are of (``_TIMED_SOURCES``)."""
-    root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
-    for rel in _TIMED_SOURCES:
-        path = root / rel
-        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            h.update(str(f.relative_to(root)).encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+    return digest_of(_TIMED_SOURCES)
 
 
 def overhead_key(threads: int) -> dict[str, Any]:
@@ -186,26 +177,16 @@ def host_overhead(threads: int = 1, shapes: dict[tuple[int, int], int] | None = 
     cached under ``<cache>/host/overhead-*.json``; figures measured while the host was busy with other work (a
     load average at or above its cores) are used until a use on a quiet host measures them again."""
     key = {**overhead_key(threads), "shapes": sorted([list(s), n] for s, n in (shapes or {}).items())}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = (cache_dir or default_cache_dir() / "host") / f"overhead-{threads}t-{digest}.json"
-    from tessera.hardware.host import host_cores
 
-    cached = read_cached(path, key, quiet=os.getloadavg()[0] < host_cores())
-    if cached is not None:
-        return cached
-    log(f"measuring the executor's dispatch and weight reads on this CPU at {threads} thread(s) (cached in "
-        f"{path.parent})")
-    load = os.getloadavg()[0]
-    dispatch, kernels = measure_dispatch(threads)
-    bandwidth, rates = measure_weight_bandwidth(threads, shapes)
-    load = max(load, os.getloadavg()[0])
-    figures = HostOverhead(dispatch, bandwidth, 0.0, threads,
-                           f"measured {date.today().isoformat()} at load average {load:.1f}: executor over a "
-                           f"{kernels}-kernel tiny decode step against its profile; one-row bf16 GEMMs cycling "
-                           f"{_WEIGHT_SET_BYTES >> 20} MiB of weights of {len(shapes or _WEIGHT_SHAPES)} shapes",
-                           tuple((o, i, bw) for (o, i), bw in sorted(rates.items())))
-    busy = load >= host_cores()
-    if busy:
-        log(f"the host was busy (load average {load:.1f}): these figures are measured again once it is quiet")
-    write_cached(path, key, figures, busy)
-    return figures
+    def measure(watch: LoadWatch) -> HostOverhead:
+        dispatch, kernels = measure_dispatch(threads)
+        bandwidth, rates = measure_weight_bandwidth(threads, shapes)
+        return HostOverhead(dispatch, bandwidth, 0.0, threads,
+                            f"measured {date.today().isoformat()} at load average {watch.peak():.1f}: executor over "
+                            f"a {kernels}-kernel tiny decode step against its profile; one-row bf16 GEMMs cycling "
+                            f"{_WEIGHT_SET_BYTES >> 20} MiB of weights of {len(shapes or _WEIGHT_SHAPES)} shapes",
+                            tuple((o, i, bw) for (o, i), bw in sorted(rates.items())))
+
+    return cached_or_measured(figures_path("overhead", threads, key, cache_dir), key, read_cached, write_cached,
+                              measure, f"the executor's dispatch and weight reads on this CPU at {threads} "
+                              "thread(s)", log)

@@ -11,18 +11,16 @@ host, threads, model, shape and the timed code's digest; the charge is that medi
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tessera.cost.figure_cache import read_figures, write_figures
 from tessera.cost.host_overhead import HostOverhead
 from tessera.errors import TesseraError
-from tessera.paths import atomic_write, default_cache_dir
+from tessera.runtime.host_figures import cached_or_measured, figures_path
 
 _PROBE_VERSION = 1
 _WEIGHT_CLASSES = ("gemm", "gemv")  # kernels whose time in a step the weight-read model charges
@@ -42,6 +40,32 @@ class StepExcess:
     kernels: int
     step_s: float
     profiled_s: float
+
+
+def timed_passes(ex, program, inputs: dict, state: dict, passes: int, warmup: int = 2
+                 ) -> tuple[dict[int, list[float]], list[float]]:
+    """Run ``program`` on the executor ``ex`` ``warmup + passes`` times as a worker runs it, one kernel after
+    another: each kernel's seconds per timed pass (by kernel index) and each timed pass's seconds."""
+    import torch
+
+    per: dict[int, list[float]] = {ins.kernel: [] for ins in program.instructions if ins.kind == "run"}
+    passes_s = []
+    with torch.no_grad():
+        for p in range(warmup + passes):
+            t0 = time.perf_counter()
+            ex.prepare(inputs, state)
+            for ins in program.instructions:
+                if ins.kind == "run":
+                    k0 = time.perf_counter()
+                    ex.run_kernel(ins.kernel)
+                    if p >= warmup:
+                        per[ins.kernel].append(time.perf_counter() - k0)
+                elif ins.kind == "free":
+                    ex.free(ins.buffer)
+            ex.release()
+            if p >= warmup:
+                passes_s.append(time.perf_counter() - t0)
+    return per, passes_s
 
 
 def measure_step_excess(model: str, threads: int = 1, batch: int = 4, ctx: int = 128, slots: int = 8,
@@ -77,23 +101,7 @@ def measure_step_excess(model: str, threads: int = 1, batch: int = 4, ctx: int =
         program = single_device_program(graph, "cpu")
         ex = Executor(graph, program, weights, torch.device("cpu"))
         state = {n: t.clone() for n, t in step.state.items()}
-        per: dict[int, list[float]] = {k.index: [] for k in graph.kernels}
-        passes_s = []
-        with torch.no_grad():
-            for p in range(passes + 2):
-                t0 = time.perf_counter()
-                ex.prepare(step.inputs, state)
-                for ins in program.instructions:
-                    if ins.kind == "run":
-                        k0 = time.perf_counter()
-                        ex.run_kernel(ins.kernel)
-                        if p >= 2:
-                            per[ins.kernel].append(time.perf_counter() - k0)
-                    elif ins.kind == "free":
-                        ex.free(ins.buffer)
-                ex.release()
-                if p >= 2:
-                    passes_s.append(time.perf_counter() - t0)
+        per, passes_s = timed_passes(ex, program, step.inputs, state, passes)
     finally:
         torch.set_num_threads(before)
     light = [k.index for k in graph.kernels if cost_class(k) not in _WEIGHT_CLASSES]
@@ -114,25 +122,17 @@ def with_step_excess(overhead: HostOverhead, model: str, batch: int = 4, ctx: in
     """``overhead`` with ``in_step_s``: this host's measured excess of a kernel in ``model``'s decode step over
     its profile, less the overhead's dispatch (never below 0); measured on first use (seconds) and cached under
     ``<cache>/host/step-excess-*.json``, measured again by a use on a quiet host when measured on a busy one."""
-    from tessera.hardware.host import host_cores
-
     key = step_excess_key(model, overhead.threads, batch, ctx, slots)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = (cache_dir or default_cache_dir() / "host") / f"step-excess-{overhead.threads}t-{digest}.json"
-    quiet = os.getloadavg()[0] < host_cores()
-    try:
-        d = json.loads(path.read_text())
-        found = d if d.get("key") == key and not (quiet and d.get("busy", True)) else None
-        figures = StepExcess(**d["figures"]) if found else None
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        figures = None
-    if figures is None:
-        log(f"measuring a kernel's time inside {model}'s decode step against its profile (cached in {path.parent})")
-        load = os.getloadavg()[0]
-        figures = measure_step_excess(model, overhead.threads, batch, ctx, slots)
-        load = max(load, os.getloadavg()[0])
-        atomic_write(path, json.dumps({"key": key, "busy": load >= host_cores(), "load": load,
-                                       "figures": figures.__dict__}, indent=2, sort_keys=True))
+
+    def read(path: Path, key: dict, quiet: bool) -> StepExcess | None:
+        return read_figures(path, key, lambda d, _source: StepExcess(**d["figures"]), quiet)
+
+    def write(path: Path, key: dict, figures: StepExcess, busy: bool) -> None:
+        write_figures(path, {"key": key, "figures": asdict(figures)}, busy)
+
+    figures = cached_or_measured(figures_path("step-excess", overhead.threads, key, cache_dir), key, read, write,
+                                 lambda _watch: measure_step_excess(model, overhead.threads, batch, ctx, slots),
+                                 f"a kernel's time inside {model}'s decode step against its profile", log)
     seconds = max(0.0, figures.excess_s - overhead.dispatch_s)
     return overhead.with_in_step(seconds, f"{seconds * 1e6:.1f} us a kernel more (the median kernel reading no "
                                  f"weight matrix in {model}'s decode step at {batch} rows ran {figures.excess_s * 1e6:.1f}"
