@@ -72,12 +72,52 @@ def test_a_gemm_reads_each_weight_at_its_shapes_measured_rate(decode_graph):
     assert checked == 121  # 30 layers x (QKV, O, gate-up, down) and the LM head
 
 
+def test_a_cold_weights_excess_is_interpolated_in_rows_and_clamped_beyond():
+    o = HostOverhead(0.0, 1.0, cold_excess=((8, 4, 1, 2.0), (8, 4, 16, 5.0), (8, 4, 64, 3.0)))
+    assert [o.cold_s((8, 4), r) for r in (1, 16, 64)] == [2.0, 5.0, 3.0]  # measured rows: as measured
+    assert o.cold_s((8, 4), 6) == 3.0 and o.cold_s((8, 4), 40) == 4.0  # linear between them
+    assert o.cold_s((8, 4), 500) == 3.0  # beyond: the nearest measured
+    assert o.cold_s((4, 8), 16) is None  # a shape not measured
+
+
+def test_a_gemm_with_measured_cold_weights_is_charged_warm_plus_their_excess():
+    cold = ((8, 4, 1, 2.0), (8, 4, 16, 4.0), (2, 4, 1, 1.0))
+    o = HostOverhead(dispatch_s=0.25, weight_bandwidth=4.0, cold_excess=cold, in_step_s=0.5)
+    merged = [((8, 4), 64.0), ((2, 4), 16.0), ((8,), 16.0)]  # two matrices (a merged GEMM) and a bias
+    assert o.kernel_s(1.0, 96.0, merged, rows=16) == 1.0 + 4.0 + 1.0 + 0.25 + 0.5
+    # a matrix without a measured excess, or no rows: the profiled time or the weights' read, as before
+    assert o.kernel_s(1.0, 96.0, [((8, 4), 64.0), ((3, 4), 24.0)], rows=16) == 96.0 / 4.0 + 0.75
+    assert o.kernel_s(1.0, 96.0, merged) == 96.0 / 4.0 + 0.75
+
+
+def test_the_cost_model_charges_each_gemm_its_cold_excess_at_its_rows():
+    cpu = resolve_device("cpu:1")
+    graph = trace_model("smollm2-135m", "prefill", batch=1, seq=32, ctx=128)
+    features = FeatureExtractor(graph).all()
+    shapes = sorted({tuple(graph.buffers[a.buffer].shape) for a in graph.accesses
+                     if graph.buffers[a.buffer].kind == "weight" and len(graph.buffers[a.buffer].shape) == 2})
+    cold = tuple((o_, i, r, 1e-3 * r) for o_, i in shapes for r in (1, 64))  # 1 ms a row, exact to interpolate
+    o = HostOverhead(dispatch_s=0.0, weight_bandwidth=1.0, cold_excess=cold)
+    charged = CostModel(cpu, profile=_profile(graph, 1e-6, o)).kernel_costs(graph)
+    rows = []
+    for k, c, f in zip(graph.kernels, charged, features, strict=True):
+        matrices = [a for a in graph.accesses_of(k.index) if graph.buffers[a.buffer].kind == "weight"
+                    and len(graph.buffers[a.buffer].shape) == 2]
+        if f.cost_class in ("gemm", "gemv") and matrices:
+            rows.append(f.gemm[0] * f.gemm[1])
+            assert c.time_s == pytest.approx(1e-6 + len(matrices) * rows[-1] * 1e-3, rel=1e-12)
+    # 30 layers x (QKV, O, gate-up, down) over the prompt's 32 tokens, and the LM head over its last token
+    assert sorted(rows) == [1] + [32] * 120
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("dispatch_s", -1e-6, "dispatch_s must be a finite number of seconds >= 0"),
     ("engine_step_s", float("nan"), "engine_step_s must be a finite number"),
     ("weight_bandwidth", 0.0, "weight_bandwidth must be a finite bytes/s > 0"),
     ("threads", True, "threads must be a whole number >= 1"),
     ("shape_bandwidth", ((576, 576, 0.0),), r"shape_bandwidth rows must be \(out, in, bytes/s > 0\)"),
+    ("cold_excess", ((576, 576, 0, 1e-5),), r"cold_excess rows must be \(out, in, rows >= 1, seconds >= 0\)"),
+    ("cold_excess", ((576, 576, 1, -1e-5),), r"cold_excess rows must be"),
 ])
 def test_bad_figures_are_refused_by_name(field, value, match):
     figures = {"dispatch_s": 1e-5, "weight_bandwidth": 1e9, "engine_step_s": 0.0, "threads": 1} | {field: value}
@@ -108,5 +148,5 @@ def test_cached_figures_are_used_only_for_their_key(tmp_path):
     assert read_cached(path, {"code": "a"}) is None  # damaged: measured again
     path.write_text("{not json")
     assert read_cached(path, {"code": "a"}) is None
-    with pytest.raises(HostOverheadError, match="not a version-2 tessera-host-overhead file"):
+    with pytest.raises(HostOverheadError, match="not a version-3 tessera-host-overhead file"):
         HostOverhead.from_dict({"kind": "other"}, "x.json")

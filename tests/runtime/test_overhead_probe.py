@@ -7,9 +7,11 @@ import math
 import pytest
 
 from tessera.capture.api import trace_model
+from tessera.cost.host_overhead import HostOverhead
 from tessera.runtime.overhead_probe import (
     OverheadProbeError,
     gemm_weight_shapes,
+    measure_cold_excess,
     measure_dispatch,
     measure_weight_bandwidth,
     overhead_key,
@@ -42,7 +44,18 @@ def test_the_key_names_the_timed_code_and_the_threads():
     (lambda: measure_dispatch(threads=1, passes=2), "passes must be a whole number >= 3"),
     (lambda: measure_weight_bandwidth(1, {(0, 8): 1}), r"weight shapes must be \(out, in\) pairs"),
     (lambda: measure_weight_bandwidth(1, {(8, 8): 0}), "with counts >= 1"),
+    (lambda: measure_cold_excess(1, {(8, 8): 1}, rows=(0,)), "row counts must be whole numbers >= 1"),
+    (lambda: measure_cold_excess(1, {(8, 8): 1}, rows=()), "row counts must be whole numbers >= 1"),
+    (lambda: measure_cold_excess(1, {(8, 8): 1}, passes=0), "passes must be a whole number >= 1"),
 ])
 def test_bad_probe_requests_are_refused(call, match):
     with pytest.raises(OverheadProbeError, match=match):
         call()
+
+
+def test_the_cold_excess_is_measured_per_shape_and_rows():
+    shapes = {(2048, 1024): 1, (1024, 2048): 1}  # 4 MiB each: 48 distinct weights beyond the last-level cache
+    rows = measure_cold_excess(1, shapes, rows=(1, 4), passes=1)
+    assert [(o, i, r) for o, i, r, _ in rows] == [(2048, 1024, 1), (2048, 1024, 4), (1024, 2048, 1), (1024, 2048, 4)]
+    assert all(s >= 0.0 for *_, s in rows)
+    assert HostOverhead(1e-6, 1e9, cold_excess=rows).cold_s((2048, 1024), 2) is not None  # the figures it carries

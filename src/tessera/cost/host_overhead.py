@@ -14,7 +14,8 @@ profile's 9-22 GB/s from the last-level cache.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from bisect import bisect_left
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from tessera.cost.figure_cache import read_figures, write_figures
 from tessera.errors import TesseraError
 
 OVERHEAD_KIND = "tessera-host-overhead"
-OVERHEAD_VERSION = 2  # 2: weight bandwidth per shape
+OVERHEAD_VERSION = 3  # 2: weight bandwidth per shape; 3: cold weights' excess per shape and rows
 
 
 class HostOverheadError(TesseraError, ValueError):
@@ -48,6 +49,9 @@ class HostOverhead:
     shape_bandwidth: tuple[tuple[int, int, float], ...] = ()
     # host seconds a kernel takes inside a real step beyond its profile and dispatch_s (`runtime.step_excess_probe`)
     in_step_s: float = 0.0
+    # (out, in, rows, seconds) per measured 2-D weight shape and row count: how much longer a GEMM of that many
+    # rows runs with its weight read from memory than with it warm in the caches, as the profiler calls it
+    cold_excess: tuple[tuple[int, int, int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("dispatch_s", "engine_step_s", "in_step_s"):
@@ -62,6 +66,10 @@ class HostOverhead:
         for row in self.shape_bandwidth:
             if (len(row) != 3 or min(row[0], row[1]) < 1 or not math.isfinite(row[2]) or row[2] <= 0):
                 raise HostOverheadError(f"host overhead shape_bandwidth rows must be (out, in, bytes/s > 0), got {row!r}")
+        for row in self.cold_excess:
+            if len(row) != 4 or min(row[0], row[1], row[2]) < 1 or not math.isfinite(row[3]) or row[3] < 0:
+                raise HostOverheadError(f"host overhead cold_excess rows must be (out, in, rows >= 1, seconds >= 0), "
+                                        f"got {row!r}")
 
     def read_s(self, weight_bytes: float, reads: list[tuple[tuple[int, ...], float]] | None = None) -> float:
         """Seconds to read a kernel's weights from memory: each 2-D weight of ``reads`` (shape, bytes) at its
@@ -71,22 +79,42 @@ class HostOverhead:
             return sum(nbytes / rates[tuple(shape)] for shape, nbytes in reads)
         return weight_bytes / self.weight_bandwidth
 
+    def cold_s(self, shape: tuple[int, ...], rows: int) -> float | None:
+        """Seconds a GEMM of ``rows`` rows over a weight of ``shape`` runs longer with the weight read from memory
+        than warm (``cold_excess``: linear between the measured row counts, the nearest one beyond them); None
+        for a shape not measured."""
+        points = sorted((r, s) for o, i, r, s in self.cold_excess if (o, i) == tuple(shape))
+        if not points:
+            return None
+        at = bisect_left([r for r, _ in points], rows)
+        if at == 0:
+            return points[0][1]
+        if at == len(points):
+            return points[-1][1]
+        (r0, s0), (r1, s1) = points[at - 1], points[at]
+        return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+
     def kernel_s(self, profiled_s: float, weight_bytes: float,
-                 reads: list[tuple[tuple[int, ...], float]] | None = None) -> float:
-        """A kernel's seconds inside a step of Tessera's engine: its profiled time, or its weights read from
-        memory where that takes longer (:meth:`read_s`), plus the executor's dispatch and the excess of a kernel
-        inside a real step (``in_step_s``)."""
-        return max(profiled_s, self.read_s(weight_bytes, reads)) + self.dispatch_s + self.in_step_s
+                 reads: list[tuple[tuple[int, ...], float]] | None = None, rows: int | None = None) -> float:
+        """A kernel's seconds inside a step of Tessera's engine, plus the executor's dispatch and the excess of a
+        kernel inside a real step (``in_step_s``): for a GEMM of ``rows`` rows whose 2-D weights all have a
+        measured ``cold_excess``, its profiled (warm) time plus their cold excess at those rows; otherwise its
+        profiled time, or its weights read from memory where that takes longer (:meth:`read_s`)."""
+        matrices = [shape for shape, _ in reads or () if len(shape) == 2]
+        extra = [self.cold_s(shape, rows) for shape in matrices] if rows is not None else []
+        if matrices and extra and None not in extra:
+            body = profiled_s + sum(extra)
+        else:
+            body = max(profiled_s, self.read_s(weight_bytes, reads))
+        return body + self.dispatch_s + self.in_step_s
 
     def with_engine_step(self, seconds: float, how: str) -> HostOverhead:
         """The same figures with the engine's per-step work ``seconds`` (measured as ``how``)."""
-        return HostOverhead(self.dispatch_s, self.weight_bandwidth, seconds, self.threads,
-                            f"{self.source}; engine step {how}", self.shape_bandwidth, self.in_step_s)
+        return replace(self, engine_step_s=seconds, source=f"{self.source}; engine step {how}")
 
     def with_in_step(self, seconds: float, how: str) -> HostOverhead:
         """The same figures with ``seconds`` more per kernel inside a real step (measured as ``how``)."""
-        return HostOverhead(self.dispatch_s, self.weight_bandwidth, self.engine_step_s, self.threads,
-                            f"{self.source}; in a step {how}", self.shape_bandwidth, seconds)
+        return replace(self, in_step_s=seconds, source=f"{self.source}; in a step {how}")
 
     def describe(self) -> str:
         step = f" + {self.in_step_s * 1e6:.1f} in a real step" if self.in_step_s else ""
@@ -104,16 +132,18 @@ class HostOverhead:
         if not isinstance(d, dict) or d.get("kind") != OVERHEAD_KIND or d.get("version") != OVERHEAD_VERSION:
             raise HostOverheadError(f"{source}: not a version-{OVERHEAD_VERSION} {OVERHEAD_KIND} file; delete it "
                                     "and it is measured again")
-        names = ("dispatch_s", "weight_bandwidth", "engine_step_s", "threads", "source", "shape_bandwidth")
+        names = ("dispatch_s", "weight_bandwidth", "engine_step_s", "threads", "source", "shape_bandwidth",
+                 "cold_excess")
         missing = [n for n in names if n not in d]
         if missing:
             raise HostOverheadError(f"{source}: lacks field(s) {', '.join(missing)}; delete it and it is measured again")
         try:
             rows = tuple((int(o), int(i), float(bw)) for o, i, bw in d["shape_bandwidth"])
+            cold = tuple((int(o), int(i), int(r), float(s)) for o, i, r, s in d["cold_excess"])
         except (TypeError, ValueError):
-            raise HostOverheadError(f"{source}: shape_bandwidth must be [out, in, bytes/s] rows; delete it and it is "
-                                    "measured again") from None
-        return cls(**{n: d[n] for n in names[:-1]}, shape_bandwidth=rows)
+            raise HostOverheadError(f"{source}: shape_bandwidth must be [out, in, bytes/s] rows and cold_excess "
+                                    "[out, in, rows, seconds] rows; delete it and it is measured again") from None
+        return cls(**{n: d[n] for n in names[:-2]}, shape_bandwidth=rows, cold_excess=cold)
 
 
 def read_cached(path: Path, key: dict[str, Any], quiet: bool = False) -> HostOverhead | None:

@@ -116,7 +116,9 @@ class CostModel:
                 cost = KernelCost(k.index, f.cost_class, t, cost.compute_s, cost.memory_s, cost.floor_s, "measured")
             if self.overhead is not None:
                 gemm = reads.get(k.index) if f.cost_class in ("gemm", "gemv") else None
-                cost = KernelCost(k.index, f.cost_class, self.overhead.kernel_s(cost.time_s, f.weight_bytes, gemm),
+                rows = f.gemm[0] * f.gemm[1] if gemm and f.gemm else None  # the GEMM's rows (tokens)
+                cost = KernelCost(k.index, f.cost_class,
+                                  self.overhead.kernel_s(cost.time_s, f.weight_bytes, gemm, rows),
                                   cost.compute_s, cost.memory_s, cost.floor_s, cost.bound)
             out.append(cost)
         return out

@@ -23,13 +23,19 @@ from tessera.limits import THREADS
 from tessera.runtime.host_figures import LoadWatch, cached_or_measured, figures_path
 from tessera.runtime.host_figures import code_digest as digest_of
 
-_PROBE_VERSION = 2  # 2: bandwidth per weight shape
+_PROBE_VERSION = 3  # 2: bandwidth per weight shape; 3: cold weights' excess per shape and rows
 # the code whose speed the figures are of: a change to any of these measures them again
 _TIMED_SOURCES = ("runtime/executor.py", "runtime/worker.py", "runtime/overhead_probe.py", "kernels")
 # one-row GEMMs over weights of these (out, in) shapes (the widths of small and mid-size LLMs' projections),
 # each set cycled so that every call reads its weight from memory
 _WEIGHT_SHAPES = ((1536, 576), (3072, 576), (2048, 1024), (1024, 2048))
 _WEIGHT_SET_BYTES = 192 * 2**20
+# GEMM row counts the cold weights' excess is measured at (a decode step's rows up to a prompt step's tokens; it
+# varies little with rows here, `benchmarks/bench_cold_gemm.py`)
+COLD_ROWS = (1, 16, 64)
+# at most this many weights in a cold set: a tiny model's weights (kilobytes each) stay in the caches in a real
+# step too, and a set of 192 MiB of them would take minutes of Python calls
+_COLD_SET_MAX = 512
 
 
 class OverheadProbeError(TesseraError, ValueError):
@@ -137,6 +143,46 @@ def measure_weight_bandwidth(threads: int = 1, shapes: dict[tuple[int, int], int
     return total_bytes / total_s, rates
 
 
+def measure_cold_excess(threads: int = 1, shapes: dict[tuple[int, int], int] | None = None,
+                        rows: tuple[int, ...] = COLD_ROWS, passes: int = 2) -> tuple[tuple[int, int, int, float], ...]:
+    """(out, in, rows, seconds) for each ``(out, in)`` weight shape of ``shapes`` (default ``_WEIGHT_SHAPES``) and
+    each row count of ``rows``: how much longer a bf16 GEMM (``x @ W.T``, ``x`` of that many rows) runs with its
+    weight read from memory (a set of distinct weights of ``_WEIGHT_SET_BYTES``, beyond the last-level cache,
+    called in turn; at most ``_COLD_SET_MAX`` of them) than with one weight called again and again, as the profiler calls a kernel; medians of
+    ``passes`` passes after one untimed, never below 0."""
+    _check(threads, 3)
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise OverheadProbeError(f"passes must be a whole number >= 1, got {passes!r}")
+    if not rows or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in rows):
+        raise OverheadProbeError(f"cold-weight row counts must be whole numbers >= 1, got {rows!r}")
+    shapes = shapes or {s: 1 for s in _WEIGHT_SHAPES}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    out = []
+    try:
+        with torch.no_grad():
+            for out_f, in_f in shapes:
+                count = min(_COLD_SET_MAX, max(2, _WEIGHT_SET_BYTES // (out_f * in_f * 2)))
+                weights = [torch.randn(out_f, in_f, dtype=torch.bfloat16) for _ in range(count)]
+                for r in rows:
+                    x = torch.randn(r, in_f, dtype=torch.bfloat16)
+                    per_call = {}
+                    for cold in (False, True):
+                        seconds = []
+                        for p in range(passes + 1):
+                            t0 = time.perf_counter()
+                            for w in weights:
+                                torch.nn.functional.linear(x, w if cold else weights[0])
+                            if p:
+                                seconds.append(time.perf_counter() - t0)
+                        per_call[cold] = statistics.median(seconds) / len(weights)
+                    out.append((out_f, in_f, r, max(0.0, per_call[True] - per_call[False])))
+                del weights
+    finally:
+        torch.set_num_threads(before)
+    return tuple(out)
+
+
 def gemm_weight_shapes(graphs, limit: int = 8) -> dict[tuple[int, int], int]:
     """The 2-D weight shapes the GEMMs of ``graphs`` read, with how often a step reads each (the ``limit``
     shapes with the most bytes per step)."""
@@ -181,11 +227,13 @@ def host_overhead(threads: int = 1, shapes: dict[tuple[int, int], int] | None = 
     def measure(watch: LoadWatch) -> HostOverhead:
         dispatch, kernels = measure_dispatch(threads)
         bandwidth, rates = measure_weight_bandwidth(threads, shapes)
+        cold = measure_cold_excess(threads, shapes)
         return HostOverhead(dispatch, bandwidth, 0.0, threads,
                             f"measured {date.today().isoformat()} at load average {watch.peak():.1f}: executor over "
                             f"a {kernels}-kernel tiny decode step against its profile; one-row bf16 GEMMs cycling "
-                            f"{_WEIGHT_SET_BYTES >> 20} MiB of weights of {len(shapes or _WEIGHT_SHAPES)} shapes",
-                            tuple((o, i, bw) for (o, i), bw in sorted(rates.items())))
+                            f"{_WEIGHT_SET_BYTES >> 20} MiB of weights of {len(shapes or _WEIGHT_SHAPES)} shapes; "
+                            f"GEMMs of {', '.join(map(str, COLD_ROWS))} rows over them cold against warm",
+                            tuple((o, i, bw) for (o, i), bw in sorted(rates.items())), cold_excess=cold)
 
     return cached_or_measured(figures_path("overhead", threads, key, cache_dir), key, read_cached, write_cached,
                               measure, f"the executor's dispatch and weight reads on this CPU at {threads} "
