@@ -203,6 +203,18 @@ def runtime_context(model: str, workers: int, prompt_tokens: int, max_tokens: in
                        progress=log, image=image, single_replica=True)
 
 
+def measured_context(model: str, workers: int, threads: int, prompt_tokens: int, max_tokens: int, ctx: int,
+                     slots: int, log: Callable[[str], None] = lambda s: None,
+                     graphs: dict[str, KernelGraph] | None = None):
+    """The planning context of a served run (`runtime_context` for ``slots`` requests of ``prompt_tokens``
+    generating ``max_tokens`` on ``cpu:workers``) with this host's profile of its graphs (``graphs``, else traced
+    at those shapes) at ``threads`` threads, decode timed at the workload's mean position
+    (`planned_decode_position`)."""
+    graphs = graphs if graphs is not None else runtime_graphs(model, prompt_tokens, ctx, slots)
+    profile = host_profile(model, graphs, threads, log, planned_decode_position(prompt_tokens, max_tokens, ctx))
+    return runtime_context(model, workers, prompt_tokens, max_tokens, ctx, slots, 1, profile, log)
+
+
 def policy_placement(model: str, graphs: dict[str, KernelGraph], workers: int, policy: str, max_tokens: int,
                      profile=None, device: str | None = None, log: Callable[[str], None] = lambda s: None,
                      batch: int = 1, micro_batches: int = 1) -> RunPlacement:

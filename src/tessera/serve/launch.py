@@ -69,7 +69,7 @@ def plan_assignments(cfg: ServeConfig, workers: int, threads: int, log: Callable
     from tessera.plan.objective_steps import add_objective_steps
     from tessera.plan.planner import plan_policy
     from tessera.program.placements import synthetic_placement
-    from tessera.runtime.session import host_profile, placements_from_plan, runtime_context, runtime_graphs
+    from tessera.runtime.session import measured_context, placements_from_plan, runtime_graphs
 
     base = runtime_graphs(cfg.model, PLAN_PROMPT, cfg.max_context, cfg.slots)
     context = None
@@ -80,9 +80,8 @@ def plan_assignments(cfg: ServeConfig, workers: int, threads: int, log: Callable
             context = context or chosen.context
             return chosen.plan
         if context is None:
-            profile = host_profile(cfg.model, base, threads, log, _decode_position(cfg))
-            context = runtime_context(cfg.model, workers, PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context, cfg.slots, 1, profile,
-                                      log)
+            context = measured_context(cfg.model, workers, threads, PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context,
+                                       cfg.slots, log, base)
         return plan_policy(context, policy, "throughput", "cpu" if policy == "homogeneous" else None)
 
     def single() -> dict[str, list[int]]:
@@ -112,13 +111,6 @@ def plan_assignments(cfg: ServeConfig, workers: int, threads: int, log: Callable
     return {"latency": latency, "throughput": through}, how
 
 
-def _decode_position(cfg: ServeConfig) -> int:
-    """Where the planned workload's decode steps are profiled: its requests' mean cache position."""
-    from tessera.runtime.session import planned_decode_position
-
-    return planned_decode_position(PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context)
-
-
 def runtime_policy(cfg: ServeConfig, workers: int, threads: int, log: Callable[[str], None]) -> ServedPolicy:
     """The policy served for ``cfg``: ``cfg.policy``, except that the default ``tessera`` (the best plan for one
     copy of the model over the workers) gives way to ``request-dist`` (a copy per worker) where request-dist's
@@ -128,11 +120,9 @@ def runtime_policy(cfg: ServeConfig, workers: int, threads: int, log: Callable[[
             or cfg.latency_policy is not None):
         return ServedPolicy(cfg.policy)
     from tessera.plan.planner import plan_policy
-    from tessera.runtime.session import host_profile, runtime_context, runtime_graphs
+    from tessera.runtime.session import measured_context
 
-    base = runtime_graphs(cfg.model, PLAN_PROMPT, cfg.max_context, cfg.slots)
-    context = runtime_context(cfg.model, workers, PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context, cfg.slots, 1,
-                              host_profile(cfg.model, base, threads, log, _decode_position(cfg)), log)
+    context = measured_context(cfg.model, workers, threads, PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context, cfg.slots, log)
     one_copy, copies = (plan_policy(context, p, "throughput") for p in ("tessera", "request-dist"))
     if prefer_replicas(one_copy, copies):
         log(f"request-dist (a replica per worker) planned at {copies.throughput:.1f} tokens/s against the tessera "

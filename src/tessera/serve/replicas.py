@@ -46,12 +46,9 @@ def _plan_replicas(cfg: ServeConfig, workers: int, threads: int, plan_prompt: in
                    log: Callable[[str], None]) -> DeploymentPlan:
     """request-dist planned for ``cfg`` on ``cpu:workers`` with this host's measured kernel times."""
     from tessera.plan.planner import plan_policy
-    from tessera.runtime.session import host_profile, planned_decode_position, runtime_context, runtime_graphs
+    from tessera.runtime.session import measured_context
 
-    base = runtime_graphs(cfg.model, plan_prompt, cfg.max_context, cfg.slots)
-    position = planned_decode_position(plan_prompt, plan_output, cfg.max_context)
-    profile = host_profile(cfg.model, base, threads, log, position)
-    ctx = runtime_context(cfg.model, workers, plan_prompt, plan_output, cfg.max_context, cfg.slots, 1, profile, log)
+    ctx = measured_context(cfg.model, workers, threads, plan_prompt, plan_output, cfg.max_context, cfg.slots, log)
     return plan_policy(ctx, "request-dist", "throughput")
 
 
