@@ -76,7 +76,7 @@ def probe_cores(threads: int) -> tuple[frozenset[int], frozenset[int]]:
 
 
 class _Step:
-    """A step run as a worker runs it: the executor over its single-device program, kernel after kernel."""
+    """A step run as a worker runs it: the executor over its single-device program (`Executor.run`)."""
 
     def __init__(self, step):
         import torch
@@ -88,25 +88,16 @@ class _Step:
 
         graph = trace(step)
         weights, _ = unique_state(step.modules)
-        self.program = single_device_program(graph, "cpu")
-        self.executor = Executor(graph, self.program, weights, torch.device("cpu"))
+        self.executor = Executor(graph, single_device_program(graph, "cpu"), weights, torch.device("cpu"))
         self.inputs = step.inputs
         self.state = {n: t.clone() for n, t in step.state.items()}
 
     def run(self) -> tuple[float, float]:
         """One step: its wall seconds and its thread's CPU seconds."""
-        import torch
 
         t0, c0 = time.perf_counter(), time.thread_time()
-        with torch.no_grad():
-            ex = self.executor
-            ex.prepare(self.inputs, self.state)
-            for ins in self.program.instructions:
-                if ins.kind == "run":
-                    ex.run_kernel(ins.kernel)
-                elif ins.kind == "free":
-                    ex.free(ins.buffer)
-            ex.release()
+        self.executor.run(self.inputs, self.state)
+        self.executor.release()
         return time.perf_counter() - t0, time.thread_time() - c0
 
 
