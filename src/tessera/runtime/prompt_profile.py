@@ -65,28 +65,16 @@ def serving_profile(model: str, graphs: dict[str, KernelGraph], threads: int, sl
     prompt steps measured too (`prompt_step_shapes`; ``rows``: only prompt steps of at most that many rows,
     e.g. 1 for lone requests). Each added graph's profile is cached per graph hash, threads and a digest of the
     timed code (`overhead_probe.code_digest`: the executor, the worker, the kernels)."""
-    from tessera.cost.profile import cached_profile
-    from tessera.paths import default_cache_dir
     from tessera.runtime.overhead_probe import code_digest
-    from tessera.runtime.profiler import profile_model
-    from tessera.runtime.session import PROFILE_REPEATS, PROFILE_WARMUP, host_profile
+    from tessera.runtime.session import graph_profile, host_profile
 
     profile = host_profile(model, graphs, threads, log, decode_position)
     if profile is None:
         raise PromptProfileError(f"no graphs to profile for {model}")
     shapes = [s for s in prompt_step_shapes(slots, max_context, min_prompt) if rows is None or s[0] <= rows]
     code = code_digest()  # a faster kernel or executor is profiled again
-    added = []
-    for name, g in prompt_graphs(model, shapes, slots).items():
-        path = default_cache_dir() / "profiles" / f"{g.model}-{name}-{g.hash[:16]}-t{threads}-k{code}.json"
-        r, s, c = (int(x) for x in name.split("@")[1].replace("c", "x").split("x"))
-
-        def measure(r=r, s=s, c=c, name=name, path=path):
-            log(f"measuring {name} kernels on this CPU at {threads} thread(s) (cached in {path.parent})")
-            return profile_model(model, "prefill", batch=r, seq=s, ctx=c, device="cpu", threads=threads,
-                                 warmup=PROFILE_WARMUP, repeats=PROFILE_REPEATS, slots=slots)[0]
-
-        added.append(cached_profile(path, measure, g.hash, log))
+    added = [graph_profile(model, "prefill", name, g, threads, code, log)
+             for name, g in prompt_graphs(model, shapes, slots).items()]
     return with_prompt_kernels(profile, added)
 
 

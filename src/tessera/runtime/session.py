@@ -121,26 +121,12 @@ def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
         PositionError: ``decode_position`` outside a decode step's cache.
     """
     from tessera.cost.positions import PositionModel, check_position, profiled_positions
-    from tessera.cost.profile import cached_profile
-    from tessera.paths import default_cache_dir
     from tessera.runtime.overhead_probe import code_digest, gemm_weight_shapes, host_overhead
-    from tessera.runtime.profiler import profile_model
 
     code = code_digest()  # a faster kernel or executor is profiled again
 
     def at(phase: str, g: KernelGraph, position: int):
-        suffix = f"-p{position}" if position else ""
-        path = (default_cache_dir() / "profiles" /
-                f"{g.model}-{phase}-{g.hash[:16]}-t{threads}-k{code}{suffix}.json")
-
-        def measure(m=g.meta):
-            where = f" at position {position}" if position else ""
-            log(f"measuring {phase} kernels{where} on this CPU at {threads} thread(s) (cached in {path.parent})")
-            return profile_model(model, phase, batch=m.get("batch"), seq=m.get("seq"), ctx=m.get("ctx"),
-                                 device="cpu", threads=threads, warmup=PROFILE_WARMUP, repeats=PROFILE_REPEATS,
-                                 slots=m.get("slots"), position=position)[0]
-
-        return cached_profile(path, measure, g.hash, log)
+        return graph_profile(model, phase, phase, g, threads, code, log, position)
 
     merged = positions = None
     for phase, g in graphs.items():
@@ -162,6 +148,29 @@ def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
         merged.overhead = host_overhead(threads, gemm_weight_shapes(graphs.values()), log)
         merged.positions = positions
     return merged
+
+
+def graph_profile(model: str, phase: str, name: str, graph: KernelGraph, threads: int, code: str,
+                  log: Callable[[str], None] = lambda s: None, position: int = 0):
+    """This host's measured kernel times of ``graph`` (a ``phase`` step at the shapes its ``meta`` records; a
+    decode step with every row at ``position``) at ``threads`` threads, cached under
+    ``<cache>/profiles/<model>-<name>-<hash>-t<threads>-k<code>[-p<position>].json`` (``code``: the timed code's
+    digest, `overhead_probe.code_digest`)."""
+    from tessera.cost.profile import cached_profile
+    from tessera.paths import default_cache_dir
+    from tessera.runtime.profiler import profile_model
+
+    suffix = f"-p{position}" if position else ""
+    path = default_cache_dir() / "profiles" / f"{graph.model}-{name}-{graph.hash[:16]}-t{threads}-k{code}{suffix}.json"
+
+    def measure(m=graph.meta):
+        where = f" at position {position}" if position else ""
+        log(f"measuring {name} kernels{where} on this CPU at {threads} thread(s) (cached in {path.parent})")
+        return profile_model(model, phase, batch=m.get("batch"), seq=m.get("seq"), ctx=m.get("ctx"), device="cpu",
+                             threads=threads, warmup=PROFILE_WARMUP, repeats=PROFILE_REPEATS, slots=m.get("slots"),
+                             position=position)[0]
+
+    return cached_profile(path, measure, graph.hash, log)
 
 
 def _positioned(graph: KernelGraph, short, long, span: tuple[int, int], position: int):
