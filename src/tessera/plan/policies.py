@@ -19,10 +19,8 @@ Every policy optimises its own knobs (device choice, replicas, M, orientation, s
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -516,13 +514,10 @@ def _same_stack(ctx: PlanContext, phase: PhaseSpec) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 # Tessera
 
-def _promising_m(ctx: PlanContext, targets, objective: str, keep: int = 2,
-                 hopeless: Callable[[int], bool] = lambda m: False) -> list[int]:
-    """The M values worth the full search: the main phase alone is solved at every M (but those
-    ``hopeless`` says no plan of can win) and the ``keep`` with the shortest cycles go on (the baselines'
-    plans, which Tessera also weighs, cover the other M)."""
-    options = ctx.micro_batch_options(ctx.main_phase) if objective == "throughput" else [1]
-    options = [m for m in options if not hopeless(m)]
+def _promising_m(ctx: PlanContext, targets, objective: str, options: list[int], keep: int = 2) -> list[int]:
+    """The M values of ``options`` worth the full search: the main phase alone is solved at each and the
+    ``keep`` with the shortest cycles go on (the baselines' plans, which Tessera also weighs, cover the other
+    M)."""
     if len(options) <= keep:
         return options
     main = ctx.main_phase
@@ -658,9 +653,9 @@ def tessera(ctx: PlanContext, objective: str, baselines: list[DeploymentPlan] | 
             ctx.say(f"tessera: {r} replicas cannot hold the model's weights and state; skipped")
             continue
         options = ctx.micro_batch_options(main) if objective == "throughput" else [1]
-        hopeless = functools.partial(_hopeless, outer, r, targets, variant_parts, incumbent)
-        pruned += sum(map(hopeless, options))
-        for m in _promising_m(ctx, targets, objective, hopeless=hopeless):
+        hopeful = [m for m in options if not _hopeless(outer, r, targets, variant_parts, incumbent, m)]
+        pruned += len(options) - len(hopeful)
+        for m in _promising_m(ctx, targets, objective, hopeful):
             start = None
             for b in seeds:
                 step = b.step(main.phase, objective) or b.step(main.phase)
