@@ -315,3 +315,53 @@ def test_a_step_moves_exactly_the_state_rows_it_reads(pool, model_dirs):
     assert sorted(runner.last_moves) == sorted((n, 0, prefill_worker, decode_worker, (0,)) for n in state)
     runner.step_chunks("decode", chunks, instances)
     assert runner.last_moves == []  # row 0 is on the decode worker now; row 1 was never read, so never moved
+
+
+def test_a_prefill_fetches_no_rows_of_the_slot_it_reuses(pool, model_dirs):
+    """A prefill writes its slot's KV without reading the row's earlier contents (`graph.state_reads`): after
+    the decode worker decoded a slot, a new prompt prefilled into it moves nothing back to the prefill worker
+    (before, it waited for the decode worker's step in flight and 1 row of KV), and the decode after it reads
+    the new prompt's row from the prefill worker and gives exactly what a runner that never used the slot does."""
+    from tessera.graph.state_reads import state_read
+    from tessera.runtime.session import runtime_context
+
+    model = model_dirs["llm"]
+    ctx = runtime_context(model, 2, PROMPT, DECODES, CTX, 2 * M, M)
+    plan = plan_policy(ctx, "prefill-decode")
+    by_phase = {ph.phase: ph for ph in ctx.phases}
+    graphs = {s.phase: ctx.graph(by_phase[s.phase], s.micro_batches) for s in plan.steps}
+    assert state_read(graphs["prefill"]) == frozenset()
+    assert state_read(graphs["decode"]) == frozenset(graphs["decode"].state)
+    steps = _cpu_steps(model, graphs)
+    weights, _ = unique_state({k: v for st in steps.values() for k, v in st.modules.items()})
+
+    def runner():
+        return DistributedRunner(pool, graphs, {s.phase: s.assignment for s in plan.steps},
+                                 {s.phase: s.micro_batches for s in plan.steps}, weights=weights, state_instances=M)
+
+    m = next(s.micro_batches for s in plan.steps if s.phase == "decode")
+    decode = {n: v.clone() for n, v in steps["decode"].inputs.items()}
+    decode["slots"] = torch.zeros_like(decode["slots"])  # every row decodes the request in slot 0
+    chunks = [{n: v.clone() for n, v in decode.items()} for _ in range(m)]
+    first, second = (_random_inputs(steps["prefill"], "prefill", seed, 200) for seed in (300, 301))
+    for p in (first, second):
+        p["slots"] = torch.zeros_like(p["slots"])
+
+    used = runner()
+    used.step_chunks("prefill", [first], [0])
+    used.step_chunks("decode", chunks, [0] * m)  # slot 0's row now lives on the decode worker
+    used.step_chunks("prefill", [second], [0])
+    assert used.last_moves == []  # the reused row is overwritten where the prefill runs: nothing fetched
+    reused = used.step_chunks("decode", chunks, [0] * m)
+    prefill_worker = next(iter(used.holder["prefill"].values()))
+    decode_worker = next(iter(used.holder["decode"].values()))
+    state = [n for n in graphs["decode"].state if n in used.holder["decode"]]
+    assert sorted(used.last_moves) == sorted((n, 0, prefill_worker, decode_worker, (0,)) for n in state)
+
+    fresh = runner()
+    fresh.step_chunks("prefill", [second], [0])
+    expected = fresh.step_chunks("decode", chunks, [0] * m)
+    for got, want in zip(reused, expected, strict=True):
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name

@@ -33,6 +33,7 @@ import torch
 
 from tessera.errors import TesseraError
 from tessera.graph.ir import KernelGraph
+from tessera.graph.state_reads import state_read
 from tessera.kernels.sample import with_sampling_defaults
 from tessera.program.program import StepPrograms, build_programs
 from tessera.runtime.commands import (
@@ -192,6 +193,7 @@ class DistributedRunner:
         self.last_moves: list[tuple[str, int, int, int, tuple[int, ...]]] = []
         self.made: dict[str, TransfersMade] = {}  # per phase: the transfers its steps made so far
         self._row_counts: dict[str, int] = {}
+        self._state_read: dict[str, frozenset[str]] = {}  # per phase: the state buffers its steps read
         self._next_id = 0  # ids of steps and moves (they tag their messages)
         self._parts: dict[int, _Part] = {}  # steps submitted and not yet collected
         self._background: dict[int, set[int]] = {}  # state moves submitted: id -> workers whose reply is out
@@ -309,15 +311,22 @@ class DistributedRunner:
     def _moves_for(self, phase: str, chunks: list[dict[str, torch.Tensor]], instances: list[int]) -> None:
         """Move the state rows the step reads (its chunks' slots; every row where the state is not slot-major)
         from the worker that wrote them last (explicit, exact rows; submitted, so they run in order before the
-        step); other rows stay where they are. Rows pushed on to this step's worker are received first."""
+        step); other rows stay where they are, and so do the rows of state the step only writes (a prefill's
+        KV: `tessera.graph.state_reads`). Rows pushed on to this step's worker that it reads or writes are
+        received first (a push landing after the step would overwrite what it wrote)."""
         holder = self.holder[phase]
         graph = self.graphs[phase]
-        reads: dict[tuple[str, int], set[int]] = {}
+        read = self._state_read.get(phase)
+        if read is None:
+            read = self._state_read[phase] = state_read(graph)
+        touched: dict[tuple[str, int], set[int]] = {}
         for name in holder:
             n = self._rows(name)
             for inst, rows in zip(instances, _touched_rows(graph, chunks, n), strict=True):
-                reads.setdefault((name, inst), set()).update(rows)
-        self._land([p for p in self._transit if p.rows & reads.get((p.name, p.instance), set())])
+                touched.setdefault((name, inst), set()).update(rows)
+        reads = {key: rows for key, rows in touched.items() if key[0] in read}
+        self._land([p for p in self._transit if p.rows & reads.get((p.name, p.instance), set())
+                    or (p.dst == holder.get(p.name) and p.rows & touched.get((p.name, p.instance), set()))])
         moves: dict[int, list[StateMove]] = {}
         self.last_moves = []
         mid, k, nbytes = self._new_id(), 0, 0
