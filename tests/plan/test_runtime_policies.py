@@ -49,3 +49,32 @@ def test_request_dist_divides_the_runtime_batch_exactly(batch):
     assert all(s.batch > 0 for s in decodes)
     assert len(decodes) == min(batch, 2)
     assert sorted(s.solver["target_offset"] for s in decodes) == list(range(len(decodes)))
+
+
+@pytest.mark.parametrize("policy", ["prefill-decode", "layer-pipeline", "attention-ffn"])
+def test_a_named_policys_other_objective_keeps_its_placement(policy):
+    """The latency step plans of a named policy keep every kernel on the target the policy put it on (the
+    serving monitor switches to them under light load: prefill-decode must stay prefill-decode), at the latency
+    bucket's shape and one micro-batch."""
+    from tessera.plan.objective_steps import add_objective_steps
+    from tessera.plan.planner import plan_policy
+
+    ctx = runtime_context("smollm2-135m", 2, 16, 8, 128, batch=16)
+    plan = plan_policy(ctx, policy, "throughput")
+    assert plan.feasible, plan.reason
+    add_objective_steps(ctx, plan, "latency")
+    for phase in ("prefill", "decode"):
+        through, latency = plan.step(phase, "throughput"), plan.step(phase, "latency")
+        assert latency.micro_batches == 1 and latency.solver["method"] == "fixed"
+        assert latency.batch <= 8
+        assert len(latency.assignment) == len(through.assignment)  # the same kernels at another batch
+        assert list(latency.assignment) == list(through.assignment), phase
+
+
+def test_tesseras_own_policy_solves_its_other_objective():
+    from tessera.plan.objective_steps import add_objective_steps
+    from tessera.plan.planner import plan_policy
+
+    ctx = runtime_context("smollm2-135m", 2, 16, 8, 128, batch=16)
+    plan = add_objective_steps(ctx, plan_policy(ctx, "tessera", "throughput"), "latency")
+    assert all(s.solver.get("method") != "fixed" for s in plan.steps if s.objective == "latency")

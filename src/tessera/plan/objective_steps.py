@@ -1,9 +1,12 @@
 """Step plans for the other objective, inside a deployment's residency (weights and state stay put).
 
 A deployment switches between its throughput and latency step plans online; both run over the same
-resident weights and state, so the second objective is solved with every kernel restricted to the
-targets that already hold everything it reads or touches. Latency plans are made for the low-load
-bucket (at most ``LATENCY_BUCKET`` sequences in flight, M = 1), where the serving monitor uses them.
+resident weights and state, so under Tessera's own policy the second objective is solved with every kernel
+restricted to the targets that already hold everything it reads or touches. A named policy's placement is
+the policy (prefill-decode keeps its decode on the decode target, layer-pipeline its stages): its other
+objective's step plans keep every kernel where the policy put it, at their own batch and M. Latency plans are
+made for the low-load bucket (at most ``LATENCY_BUCKET`` sequences in flight, M = 1), where the serving
+monitor uses them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ def plan_targets(ctx: PlanContext, plan: DeploymentPlan) -> list[Target]:
 
 
 def add_objective_steps(ctx: PlanContext, plan: DeploymentPlan, objective: str) -> DeploymentPlan:
-    """Add ``objective`` step plans (M = 1 for latency; the primary plan's M for throughput) to ``plan``."""
+    """Add ``objective`` step plans (M = 1 for latency; the primary plan's M for throughput) to ``plan``: solved
+    anew under Tessera's own policy, the primary plan's placement carried to their shapes under any other."""
+    from tessera.plan.build import transfer_assignment
     from tessera.plan.policies import _solve_folded, residency_allowed
 
     if (not plan.applicable or "replicas" in plan.extra or "routes" in plan.extra
@@ -33,11 +38,16 @@ def add_objective_steps(ctx: PlanContext, plan: DeploymentPlan, objective: str) 
     primary = {s.phase: s for s in plan.steps}
     main = max(primary.values(), key=lambda s: s.repeats)
     per_replica = max(1, ctx.batch // plan.replicas) if ctx.shared_batch else main.batch  # else the engine's own
+    planned = {ph.phase: ctx.graph(ph, primary[ph.phase].micro_batches) for ph in ctx.phases}
     ctx = ctx.for_batch(min(per_replica, LATENCY_BUCKET) if objective == "latency" else per_replica)
     chosen = []
     for ph in ctx.phases:
         m = 1 if objective == "latency" else primary[ph.phase].micro_batches
         parts = primary[ph.phase].solver.get("expert_parts", 1)
+        if plan.policy != "tessera":  # the policy's placement, at this objective's shape
+            a = transfer_assignment(planned[ph.phase], ctx.graph(ph, m), list(primary[ph.phase].assignment))
+            chosen.append((ph, m, tuple(a), {"method": "fixed"}))
+            continue
         sp = ctx.step_problem(ph, targets, m, parts)
         a, info = _solve_folded(ctx, ph, targets, m, objective, residency_allowed(sp, plan.residency), memory=False,
                                 expert_parts=parts)
