@@ -12,7 +12,15 @@ from tessera.hardware.cluster import parse_cluster
 from tessera.plan.context import PlanContext
 from tessera.plan.deployment import EngineAdmission
 from tessera.plan.planner import plan_policy
-from tessera.sched.scheduler import Buckets, KVBudget, Request, Scheduler, SchedulerError, stages_for
+from tessera.sched.scheduler import (
+    Buckets,
+    KVBudget,
+    Request,
+    ScheduledStep,
+    Scheduler,
+    SchedulerError,
+    stages_for,
+)
 from tessera.sim.requests import engines_for, simulate
 from tessera.workload import parse_workload
 
@@ -22,14 +30,15 @@ def _sched(blocks: int, slots: int = 64, block: int = 16, max_context: int = 409
                      kv=KVBudget(blocks, block))
 
 
-def _until_decode(sched: Scheduler) -> int:
-    """Run steps one second each until the first decode step is handed out; returns the prefills run."""
+def _until_decode(sched: Scheduler) -> tuple[int, ScheduledStep]:
+    """Run steps one second each until the first decode step is handed out; returns the prefills run and that
+    step (in flight)."""
     now, prefills = 0.0, 0
     while (step := sched.next_step(now)).phase == "prefill":
         prefills += 1
         sched.complete(step, now, now + 1.0)
         now += 1.0
-    return prefills
+    return prefills, step
 
 
 def _drive(sched: Scheduler, limit: int = 10_000) -> list[tuple]:
@@ -51,7 +60,7 @@ def test_admission_stops_when_the_free_blocks_no_longer_cover_a_prompt():
     sched = _sched(100)
     for i in range(20):
         assert sched.submit(Request(i, 0.0, 100, 50))
-    assert _until_decode(sched) == 14
+    assert _until_decode(sched)[0] == 14
     assert len(sched.running) == 14 and sched.free_blocks == 2 and all(r.blocks == 7 for r in sched.running)
     assert [r.id for r in sched.waiting] == list(range(14, 20))  # first come, first served
 
@@ -60,7 +69,7 @@ def test_the_sequence_cap_binds_when_it_is_below_the_kv_capacity():
     sched = _sched(100, slots=10)
     for i in range(20):
         sched.submit(Request(i, 0.0, 100, 50))
-    assert _until_decode(sched) == 10
+    assert _until_decode(sched)[0] == 10
     assert len(sched.running) == 10 and sched.free_blocks == 100 - 70
 
 
@@ -70,14 +79,17 @@ def test_blocks_grow_when_the_context_crosses_a_block_boundary():
     sched = _sched(100)
     sched.submit(Request("a", 0.0, 100, 40))
     req = sched.waiting[0]
-    assert _until_decode(sched) == 1 and req.blocks == 7
+    prefills, step = _until_decode(sched)
+    assert prefills == 1 and req.blocks == 7
     now, held = 1.0, []
+    assert sched.next_step(now) is None  # the decode step handed out is in flight: its request is in no other
     for _ in range(31):
-        step = sched.next_step(now)
+        step = step or sched.next_step(now)
         assert step.phase == "decode" and step.requests == [req]
         held.append(req.blocks)
         sched.complete(step, now, now + 1.0)
         now += 1.0
+        step = None
     assert held[:13] == [7] * 13 and held[13:29] == [8] * 16 and held[29:] == [9, 9]
     assert sched.free_blocks == 100 - 9 and req.generated == 31
 

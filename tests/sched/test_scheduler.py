@@ -50,6 +50,29 @@ def test_llm_requests_prefill_one_by_one_then_decode_together_within_the_slots()
     assert (r0.first_output_s, r0.finish_s, r0.busy_s) == (3.0, 6.0, 4.0)
 
 
+def test_a_request_in_a_step_in_flight_is_in_no_other_step():
+    """After an objective switch a second lane runs the batched phase while the first lane's step is in flight:
+    its requests must wait for that step (a request decoded twice at once would get two tokens for one position)."""
+    sched = Scheduler(stages_for("llm"), slots=4, buckets=Buckets.default(4, 256))
+    for i in range(2):
+        sched.submit(Request(i, 0.0, 10, 5))
+    now = 0.0
+    while any(r.stage != 1 for r in [*sched.running, *sched.waiting]):
+        step = sched.next_step(now)
+        sched.complete(step, now, now + 1.0)
+        now += 1.0
+    old_lane = sched.next_step(now, {"decode"})
+    assert old_lane is not None and sorted(r.id for r in old_lane.requests) == [0, 1]
+    assert sched.next_step(now, {"decode"}) is None  # the new lane: every decoding request is in the old step
+    sched.submit(Request(2, now, 10, 5))
+    prefill = sched.next_step(now, {"prefill"})
+    sched.complete(prefill, now, now + 0.5)
+    new_lane = sched.next_step(now + 0.5, {"decode"})
+    assert [r.id for r in new_lane.requests] == [2]  # only the request not in flight
+    sched.complete(old_lane, now, now + 1.0)
+    assert sorted(r.id for r in sched.next_step(now + 1.0, {"decode"}).requests) == [0, 1]
+
+
 def test_a_one_token_prompt_needs_no_prefill():
     sched = Scheduler(stages_for("llm"), slots=1, buckets=Buckets.default(1, 64))
     sched.submit(Request("a", 0.0, 1, 2))

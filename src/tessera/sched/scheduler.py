@@ -316,7 +316,8 @@ class Scheduler:
             if stage.phase not in allowed:
                 continue
             if stage.batched:
-                rows = [r for r in self.running if r.stage == i and r.ready_s <= now][:cap]
+                # not the rows of a step in flight: after an objective switch another lane runs this phase too
+                rows = [r for r in self.running if r.stage == i and r.ready_s <= now and not r.in_step][:cap]
                 if self.kv is not None:
                     rows = self._grow(rows, now)
                 if rows:
