@@ -7,12 +7,12 @@ import threading
 import pytest
 import torch
 
+from tessera.sched.monitor import SWITCH_LOG, Monitor
 from tessera.sched.scheduler import Request
 from tessera.serve.backend import LocalBackend
 from tessera.serve.config import ServeConfig
 from tessera.serve.engine import GenerationParams, Histogram
 from tessera.serve.launch import start_engine
-from tessera.serve.monitor import SWITCH_LOG, Monitor
 from tests.serve.recording import RecordingBackend
 
 

@@ -2,7 +2,7 @@
 (latency), and the smooth weighted round robin that keeps them. The router (`tessera.router.table`) and the
 vLLM simulator (`tessera.sim.vllm_engines`) send requests by these same rules.
 
-The share switch is the router's counterpart of `tessera serve`'s online monitor (`tessera.serve.monitor`),
+The share switch is the router's counterpart of `tessera serve`'s online monitor (`tessera.sched.monitor`),
 which switches between the throughput and the latency objective's step plans: here the switch is between two
 sets of route shares.
 
@@ -27,6 +27,7 @@ from functools import cached_property
 
 from tessera.errors import TesseraError
 from tessera.plan.deployment import PlannedEngine, PlannedRoute
+from tessera.sched.monitor import objective_for
 
 SHARE_MODES = ("auto", "throughput", "latency")
 SWITCH_LOG = 1000  # switches remembered (ShareSwitch.switch_count counts them all)
@@ -105,16 +106,6 @@ class ShareSwitch:
         return change
 
 
-def objective_for(load: float, threshold: float, hysteresis: float, current: str) -> str:
-    """The objective a load asks for: ``throughput`` at ``threshold`` or above, ``latency`` below ``threshold x
-    hysteresis``, and in the band between, ``current`` (the online monitor's rule and the share switch's)."""
-    if load >= threshold:
-        return "throughput"
-    if load < threshold * hysteresis:
-        return "latency"
-    return current
-
-
 def key(route: PlannedRoute) -> str:
     """A route's key in the shares' tables: its name and hops (two routes may share a name)."""
     return route.name + "|" + "/".join(route.hops)
@@ -142,4 +133,4 @@ class SmoothRoundRobin:
         self.credit.clear()
 
 
-__all__ = ["SHARE_MODES", "ShareChange", "ShareSwitch", "ShareSwitchError", "SmoothRoundRobin", "key", "objective_for"]
+__all__ = ["SHARE_MODES", "ShareChange", "ShareSwitch", "ShareSwitchError", "SmoothRoundRobin", "key"]

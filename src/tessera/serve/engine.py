@@ -42,11 +42,11 @@ import torch
 
 from tessera.errors import TesseraError
 from tessera.runtime.generate import Sampling, sampling_inputs
+from tessera.sched.monitor import Monitor
 from tessera.sched.scheduler import Buckets, Request, ScheduledStep, Scheduler, stages_for
 from tessera.serve.backend import BackendLost, ObjectivePlacements, StepBackend, phase_name, prefill_name
 from tessera.serve.detokenize import IncrementalDetokenizer
 from tessera.serve.lanes import Lane, LaneRunner, lanes_of
-from tessera.serve.monitor import Monitor
 
 EventSink = Callable[[str, Any], None]
 

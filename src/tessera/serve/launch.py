@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from tessera.sched.monitor import Monitor
 from tessera.sched.scheduler import Buckets
 from tessera.serve.backend import (
     LocalBackend,
@@ -24,7 +25,6 @@ from tessera.serve.backend import (
 )
 from tessera.serve.config import ServeConfig
 from tessera.serve.engine import Engine, RouteSpec, route_prefix, serving_scheduler
-from tessera.serve.monitor import Monitor
 
 if TYPE_CHECKING:
     from tessera.plan.context import PlanContext

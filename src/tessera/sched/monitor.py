@@ -1,4 +1,5 @@
-"""The online monitor: which objective's step plans the engine runs now.
+"""The online monitor: which objective's step plans an engine runs now (`tessera serve`'s engine, and the
+simulator's engines when asked to switch as it does).
 
 On a timer (a window, 300 ms by default) it looks at every request the engine knows: queued, in
 flight, and finished during the window. For each it takes the latency so far (now, or its finish,
@@ -15,10 +16,19 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tessera.errors import TesseraError
-from tessera.plan.shares import objective_for
 from tessera.sched.scheduler import Request
 
 SWITCH_LOG = 1000  # switches the monitor remembers (Monitor.switch_count counts them all)
+
+
+def objective_for(load: float, threshold: float, hysteresis: float, current: str) -> str:
+    """The objective a load asks for: ``throughput`` at ``threshold`` or above, ``latency`` below ``threshold x
+    hysteresis``, and in the band between, ``current`` (the online monitor's rule and the share switch's)."""
+    if load >= threshold:
+        return "throughput"
+    if load < threshold * hysteresis:
+        return "latency"
+    return current
 
 
 class MonitorError(TesseraError, ValueError):
