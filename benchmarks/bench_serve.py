@@ -5,9 +5,10 @@ cluster simulator's prediction for the same deployment and the same requests bes
         [--latency-policy P]
 
 The server runs smollm2-135m (real weights) on cpu:2 (one thread per worker) under the policy's plan,
-planned with this host's measured kernel times; the latency objective's plans are the same policy's, the
-monitor may switch between them (``--latency-policy P``: the latency objective runs P's plan instead, e.g. the
-policy itself, so that the server runs the plan the simulator simulates). Requests: Poisson arrivals, lengths drawn from a small shipped-style
+planned with this host's measured kernel times; the latency objective's plans are the same policy's (the same
+placement at the latency bucket, one micro-batch), and the monitor may switch between them as the simulator's
+engines do too, with the served engine's monitor settings (``--latency-policy P``: the latency objective runs P's
+plan instead). Requests: Poisson arrivals, lengths drawn from a small shipped-style
 distribution (prompts of 8-48 tokens, 8-24 output tokens; prompts are repeated words, so the server's
 greedy outputs may stop early at EOS: the figures count the tokens really generated). The simulator
 serves the same draws (same seed) with the same scheduler and buckets, timing each step by running the
@@ -68,13 +69,16 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
+    from tessera.plan.objective_steps import add_objective_steps
     from tessera.plan.planner import plan_policy
     from tessera.runtime.pair_costs import local_pair_costs
     from tessera.runtime.prompt_profile import serving_profile
     from tessera.runtime.session import host_profile, planned_decode_position, runtime_context, runtime_graphs
+    from tessera.sched.monitor import Monitor
     from tessera.serve.bench import run_bench
     from tessera.serve.config import ServeConfig
     from tessera.serve.launch import PLAN_OUTPUT, PLAN_PROMPT, start_engine
+    from tessera.serve.replicas import ReplicatedEngine
     from tessera.sim.requests import simulate
 
     torch.set_num_threads(1)
@@ -115,6 +119,18 @@ def main() -> None:
                       latency_policy=args.latency_policy)
     engine, how = start_engine(cfg, say)
     say(f"serving {MODEL} on cpu:2: {how}")
+    # the simulator switches objectives as the served engine's monitor does (its settings; request-dist's
+    # replicas have one each), between the plan's throughput and latency step plans as the engine serves them
+    served = engine.engines[0].monitor if isinstance(engine, ReplicatedEngine) else engine.monitor
+    monitor = Monitor(served.beta, served.window_s, served.cooldown_s, served.hysteresis, "latency", served.enabled)
+    for chosen in (plan, plain_plan):
+        add_objective_steps(pctx, chosen, "latency")
+    # the simulator switches objectives as the served engine's monitor does (its settings; request-dist's
+    # replicas each have one), with the latency step plans the engine serves
+    served = engine.engines[0].monitor if hasattr(engine, "engines") else engine.monitor
+    monitor = Monitor(served.beta, served.window_s, served.cooldown_s, served.hysteresis, "latency", served.enabled)
+    for p in (plan, plain_plan):
+        add_objective_steps(pctx, p, "latency")
     ports: list[int] = []
     server = _start_server(engine, ports)
     url = f"http://127.0.0.1:{ports[0]}"
@@ -149,16 +165,18 @@ def main() -> None:
             # the same arrivals with the lengths the server really saw (greedy outputs may end early at EOS)
             draws = [(o.planned.arrival_s, o.prompt_tokens or o.planned.input, max(1, o.output_tokens))
                      for o in report.outcomes if o.ok]
-            predicted = simulate(pctx, plan, max_context=max_context, feedback_s=feedback_s, link=link,
-                                 min_prompt=cfg.min_prompt_bucket, draws=draws).summary()
+
+            def predict(ctx, chosen, draws=draws) -> dict:
+                return simulate(ctx, chosen, max_context=max_context, feedback_s=feedback_s, link=link,
+                                min_prompt=cfg.min_prompt_bucket, draws=draws, monitor=monitor,
+                                latency_rows=cfg.latency_rows).summary()
+
+            predicted = predict(pctx, plan)
             contention, profile.contention = profile.contention, None  # the same, each worker a device of its own
-            alone = simulate(pctx, plan, max_context=max_context, feedback_s=feedback_s, link=link,
-                             min_prompt=cfg.min_prompt_bucket, draws=draws).summary()
+            alone = predict(pctx, plan)
             profile.contention = contention
-            before = simulate(plain_ctx, plain_plan, max_context=max_context, feedback_s=feedback_s, link=link,
-                              min_prompt=cfg.min_prompt_bucket, draws=draws).summary()
-            mean = simulate(mean_ctx, plan, max_context=max_context, feedback_s=feedback_s, link=link,
-                            min_prompt=cfg.min_prompt_bucket, draws=draws).summary()
+            before = predict(plain_ctx, plain_plan)
+            mean = predict(mean_ctx, plan)
             rows.append((rate, measured, predicted, before, mean, alone))
     server.should_exit = True
     engine.stop()

@@ -13,7 +13,7 @@ from tessera.console import err as _err
 from tessera.console import fail as _fail
 from tessera.console import out as _out
 from tessera.errors import TesseraError
-from tessera.plan.config import AdmissionConfig, PlanConfig
+from tessera.plan.config import LATENCY_BUCKET, AdmissionConfig, PlanConfig
 from tessera.sim.config import SimulationConfig
 
 _SIM = SimulationConfig(PlanConfig(model="", cluster=""))
@@ -58,6 +58,12 @@ def simulate(
                                                "server on a CPU and on GPUs under 70 GB)."),
     shares: str = typer.Option(None, "--shares", help="With --engine vllm: the router's route shares, as `tessera "
                                "serve --engine vllm --shares` (auto, the default | throughput | latency)."),
+    monitor: bool = typer.Option(False, "--monitor/--no-monitor", help="Switch between the plan's throughput "
+                                 "and latency step plans as `tessera serve`'s online monitor does (its default "
+                                 "settings; latency plans added where the plan has none), instead of running "
+                                 "the throughput plans throughout."),
+    latency_rows: int = typer.Option(LATENCY_BUCKET, "--latency-rows", help="With --monitor: requests in flight "
+                                     "while the latency plans run (as `tessera serve --latency-rows`)."),
     factors: Path = opt.FACTORS,
     as_json: bool = opt.JSON,
 ) -> None:
@@ -77,6 +83,7 @@ def simulate(
                                              admission=AdmissionConfig(max_num_seqs, memory_utilization, block_size)),
                                   plan_file, max_context, seed)
         _check_engine(engine, step_times, max_num_batched_tokens, shares)
+        _check_monitor(engine, monitor, latency_rows)
         ctx, plan = config.deployment(progress=lambda s: _err.print(f"[dim]{s}[/]"))
         if engine == "vllm":
             _simulate_vllm(ctx, plan, config, step_times, max_num_batched_tokens, shares or "auto", as_json)
@@ -84,8 +91,16 @@ def simulate(
         with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=_err, transient=True, disable=as_json) as bar:
             task = bar.add_task("requests", total=None)
+            switching = None
+            if monitor:
+                from tessera.plan.objective_steps import add_objective_steps
+                from tessera.sched.monitor import Monitor
+
+                add_objective_steps(ctx, plan, "latency")
+                switching = Monitor()
             result = run_simulation(ctx, plan, seed, max_context=max_context, engine_shapes=engine_shapes,
-                                    progress=lambda done, total: bar.update(task, completed=done, total=total))
+                                    progress=lambda done, total: bar.update(task, completed=done, total=total),
+                                    monitor=switching, latency_rows=latency_rows if monitor else None)
     except TesseraError as e:
         _fail(e)
     summary = result.summary()
@@ -110,11 +125,23 @@ def simulate(
     table.add_row(f"normalised latency (per {per})", _s(result.norm_latency_s))
     table.add_row("steps", f"{result.steps:,}")
     table.add_row("preemptions (KV blocks ran out)", f"{result.preemptions:,}")
+    if monitor:
+        table.add_row("objective switches (online monitor)", f"{result.switches:,}")
     for lane, busy in result.lane_busy_s.items():
         table.add_row(f"busy: {lane}", f"{busy / result.makespan_s:.0%}" if result.makespan_s > 0 else "-")
     _out.print(table)
     for line in result.rejections:
         _out.print(f"  rejected: {line}")
+
+
+def _check_monitor(engine: str, monitor: bool, latency_rows: int) -> None:
+    from tessera.sim.requests import SimulationSetupError
+
+    if monitor and engine != "tessera":
+        raise SimulationSetupError("--monitor switches Tessera's own engine between its plans; the vLLM simulator "
+                                   "follows the router's shares (--shares): leave --monitor out")
+    if latency_rows < 1:
+        raise SimulationSetupError(f"--latency-rows must be at least 1 (got {latency_rows})")
 
 
 def _check_engine(engine: str, step_times: Path | None, max_num_batched_tokens: int, shares: str | None) -> None:

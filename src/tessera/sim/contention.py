@@ -60,7 +60,7 @@ class HostSharing:
         """Bring every running step's work up to ``now`` at its rate so far, take in the steps started at
         ``now``, and set each one's rate and end (``lane.busy_until``, and its ``busy_s`` by the same change)
         by the steps running beside it from now on."""
-        busy = [(e, ln) for e in engines for ln in e.lanes if ln.step is not None]
+        busy = [(e, ln) for e in engines for ln in e.all_lanes() if ln.step is not None]
         running: dict[int, _Running] = {}
         for e, ln in busy:
             known = self._running.get(id(ln))

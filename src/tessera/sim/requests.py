@@ -29,7 +29,8 @@ from tessera.plan.context import PlanContext
 from tessera.plan.deployment import DeploymentPlan, EngineAdmission, StateMove, StepPlan
 from tessera.plan.deployment import lanes as plan_lanes
 from tessera.plan.engines import EnginePart, engine_parts
-from tessera.plan.targets import Target, cluster_targets
+from tessera.plan.targets import Target, cluster_targets, link_between
+from tessera.sched.monitor import Monitor
 from tessera.sched.scheduler import (
     DEFAULT_MAX_CONTEXT,
     Buckets,
@@ -40,6 +41,7 @@ from tessera.sched.scheduler import (
     stages_for,
 )
 from tessera.sim.contention import HostSharing
+from tessera.sim.objectives import EngineMode, Switching, close_window, hold_back, use_mode
 from tessera.sim.step_timer import StepTimer
 from tessera.workload import ImagesWorkload, Workload, draw_requests
 
@@ -56,6 +58,7 @@ class Lane:
     devices: frozenset[str] = frozenset()  # cluster targets it shares with other engines' lanes (route mixes)
     timer: StepTimer | None = None  # its own step plans' timer (one engine of two routes), else the engine's
     delays: dict[str, float] | None = None  # the state moves after its steps, else the engine's
+    workers: frozenset[int] = frozenset()  # its engine's targets its steps use (an objective switch's lanes wait)
     share: float | None = None  # planned share of its time on prompt steps (a lane that also decodes)
     prompts: int = 0  # requests it admitted (their prompt steps run on it)
     prompt_s: float = 0.0  # its time on prompt steps
@@ -79,6 +82,12 @@ class Engine:
     steps: int = 0
     engine_shapes: bool = False  # steps at their own shapes, timed between grid shapes (no padding)
     min_prompt: int = 1
+    max_rows: int | None = None  # requests in flight under the current objective (None: every slot)
+    switching: Switching | None = None  # the monitor's objectives, where the engine switches between them
+
+    def all_lanes(self) -> list[Lane]:
+        """Its lanes, and the previous objective's lanes still running a step."""
+        return self.lanes + (self.switching.retired if self.switching is not None else [])
 
 
 def arrivals(workload: Workload, seed: int = 0) -> list[Request]:
@@ -102,7 +111,8 @@ def _lanes(steps: list[StepPlan], shared: list[Target] | None = None) -> list[La
     out = []
     for lane in plan_lanes(steps):
         used = set().union(*(s.used_targets for s in lane))
-        out.append(Lane({s.phase for s in lane}, frozenset(shared[t].name for t in used) if shared else frozenset()))
+        out.append(Lane({s.phase for s in lane}, frozenset(shared[t].name for t in used) if shared else frozenset(),
+                        workers=frozenset(used)))
     return out
 
 
@@ -130,17 +140,24 @@ def _timer(ctx: PlanContext, steps: list[StepPlan], targets: list[Target], feedb
 
 def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throughput",
                 max_context: int | None = DEFAULT_MAX_CONTEXT, feedback_s: float = 0.0, min_prompt: int = 128,
-                link: Link | None = None, engine_shapes: bool = False) -> list[Engine]:
+                link: Link | None = None, engine_shapes: bool = False, monitor: Monitor | None = None,
+                latency_rows: int | None = None) -> list[Engine]:
     """The replicas that serve ``plan``, each with its scheduler (prompt buckets from ``min_prompt`` tokens)
     and step timer (``link``: every pair of targets talks over this link instead of the cluster's).
     ``engine_shapes``: steps run at their own rows, prompt and context (16-token granules), as a serving
-    engine runs them, instead of padded to the static power-of-two buckets Tessera's own server uses."""
+    engine runs them, instead of padded to the static power-of-two buckets Tessera's own server uses.
+    ``monitor``: each engine switches between the plan's throughput and latency step plans as this monitor's
+    settings say (a copy each, starting at its objective; `tessera.sim.objectives`), the latency plans holding
+    at most ``latency_rows`` requests; without it every engine runs ``objective``'s step plans."""
     if not plan.applicable:
         raise SimulationSetupError(f"{plan.policy} does not apply to {plan.model}: {plan.reason}")
     if not plan.feasible:
         raise SimulationSetupError(f"the {plan.policy} plan is not feasible: {plan.reason}")
     parts = engine_parts(plan, objective)
     if any(p.one_engine for p in parts):  # routes that are one engine
+        if monitor is not None:
+            raise SimulationSetupError("the simulator switches objectives per engine; routes that are one engine "
+                                       "run one objective's step plans: simulate without the monitor")
         return [_one_engine(ctx, plan, objective, parts, max_context, feedback_s, min_prompt, link, engine_shapes)]
     shared = any(p.kind == "route" for p in parts)  # a route mix: engines of their own placements sharing devices
     min_prompt = _min_prompt(ctx, min_prompt)
@@ -155,12 +172,49 @@ def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throug
         main = max(part.steps, key=lambda s: s.repeats)
         slots, kv = _admission(plan, name, part.admission, ctx.spec.family, main.batch)
         for r in range(part.replicas):
-            engines.append(Engine(f"{name}#{r}" if part.replicas > 1 else name,
-                                  _scheduler(ctx, slots, kv, max_context, min_prompt, engine_shapes), timer,
-                                  _lanes(part.steps, targets if shared else None), part.throughput / part.replicas,
-                                  _delays(part.state_moves, part.steps), engine_shapes=engine_shapes,
-                                  min_prompt=min_prompt))
+            engine = Engine(f"{name}#{r}" if part.replicas > 1 else name,
+                            _scheduler(ctx, slots, kv, max_context, min_prompt, engine_shapes), timer,
+                            _lanes(part.steps, targets if shared else None), part.throughput / part.replicas,
+                            _delays(part.state_moves, part.steps), engine_shapes=engine_shapes,
+                            min_prompt=min_prompt)
+            if monitor is not None:
+                engine.switching = _switching(ctx, plan, part, targets if shared else None, targets, monitor,
+                                              slots, latency_rows, feedback_s, link)
+                use_mode(engine, engine.switching.mode)
+            engines.append(engine)
     return engines
+
+
+def _switching(ctx: PlanContext, plan: DeploymentPlan, part: EnginePart, shared: list[Target] | None,
+               targets: list[Target], monitor: Monitor, slots: int, latency_rows: int | None, feedback_s: float,
+               link: Link | None) -> Switching:
+    """An engine's two objectives (`tessera.sim.objectives`): each objective's step plans for ``part`` (the
+    throughput ones where the plan has none for latency, as for request-dist's replicas, whose serving engines
+    switch only the rows they hold), and a fresh copy of ``monitor``."""
+    modes = {}
+    for objective in ("throughput", "latency"):
+        mine = next((p for p in engine_parts(plan, objective) if p.index == part.index and p.kind == part.kind), None)
+        steps = mine.steps if mine is not None and mine.steps else part.steps
+        rows = slots if objective == "throughput" else min(slots, latency_rows or slots)
+        main = max(steps, key=lambda s: s.repeats)
+        modes[objective] = EngineMode(_timer(ctx, steps, targets, feedback_s, link), _lanes(steps, shared),
+                                      _delays(part.state_moves, steps), rows, frozenset(main.used_targets))
+    fresh = Monitor(monitor.beta, monitor.window_s, monitor.cooldown_s, monitor.hysteresis, monitor.objective,
+                    monitor.enabled)
+    return Switching(fresh, modes, _state_move_s(ctx, part, targets, link))
+
+
+def _state_move_s(ctx: PlanContext, part: EnginePart, targets: list[Target], link: Link | None) -> float:
+    """One request's state moved between two targets: the plan's state moves of a request where it has them,
+    else its share of the repeated phase's state over the link between the first two targets."""
+    if part.state_moves:
+        return sum(mv.seconds_per_request for mv in part.state_moves)
+    if len(targets) < 2:
+        return 0.0
+    main = ctx.main_phase
+    graph = ctx.graph(main)
+    per_request = sum(graph.buffers[n].nbytes for n in graph.state) / max(main.batch, 1)
+    return (link or link_between(ctx.cluster, targets[0], targets[1])).transfer_time(int(per_request))
 
 
 def _min_prompt(ctx: PlanContext, min_prompt: int) -> int:
@@ -275,6 +329,7 @@ class SimResult:
     lane_busy_s: dict[str, float]
     rejections: list[str] = field(default_factory=list)
     preemptions: int = 0  # requests preempted (by recompute) for lack of KV blocks, counted per preemption
+    switches: int = 0  # the engines' monitors' switches between objectives
 
     @staticmethod
     def _pct(values: list[float], q: float) -> float | None:
@@ -288,7 +343,7 @@ class SimResult:
                 "tpot_p50_s": self._pct(self.tpot_s, 50), "tpot_p99_s": self._pct(self.tpot_s, 99),
                 "latency_p50_s": self._pct(self.latency_s, 50), "norm_latency_s": self.norm_latency_s,
                 "completed": self.completed, "rejected": self.rejected, "steps": self.steps,
-                "preemptions": self.preemptions, "lane_busy_s": self.lane_busy_s,
+                "preemptions": self.preemptions, "switches": self.switches, "lane_busy_s": self.lane_busy_s,
                 "rejections": self.rejections[:5]}
 
 
@@ -333,14 +388,21 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
     while True:
         # finish steps that end now
         for e in engines:
-            for lane in e.lanes:
+            for lane in e.all_lanes():
                 if lane.step is not None and lane.busy_until <= now:
                     e.scheduler.complete(lane.step, lane.start_s, lane.busy_until,
                                          e.delays if lane.delays is None else lane.delays)
+                    if e.switching is not None:
+                        hold_back(e, lane.step.requests)
                     lane.step = None
+            if e.switching is not None:
+                e.switching.retired = [ln for ln in e.switching.retired if ln.step is not None]
         while nxt < total and pending[nxt].arrival_s <= now:
             _route(engines, pending[nxt]).scheduler.submit(pending[nxt])
             nxt += 1
+        for e in engines:
+            if e.switching is not None:
+                close_window(e, now)
         order = [(e, lane) for e in engines for lane in e.lanes]
         if mixed:  # on a shared device prompt lanes (feeding another device's batch) go first, then the lane
             order.sort(key=lambda el: (not _prompts_only(*el), el[1].start_s))  # that waited longest
@@ -350,8 +412,10 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
             if lane.devices and any(other.step is not None and other.devices & lane.devices
                                     for f in engines for other in f.lanes):
                 continue  # another engine's step holds one of its devices: steps take turns
+            if e.switching is not None and any(old.workers & lane.workers for old in e.switching.retired):
+                continue  # the previous objective's step holds one of its targets: it finishes first
             admit = lane.share is None or lane.prompt_s <= lane.share * now
-            step = e.scheduler.next_step(now, lane.phases, admit=admit, owner=lane)
+            step = e.scheduler.next_step(now, lane.phases, max_rows=e.max_rows, admit=admit, owner=lane)
             if step is None:
                 continue
             dur = _duration(e, lane, step, now)
@@ -364,12 +428,16 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
             e.steps += 1
         if sharing is not None:
             sharing.update(engines, now)
-        candidates = [lane.busy_until for e in engines for lane in e.lanes if lane.step is not None]
+        candidates = [lane.busy_until for e in engines for lane in e.all_lanes() if lane.step is not None]
         if nxt < total:
             candidates.append(pending[nxt].arrival_s)
         candidates += [r.ready_s for e in engines for r in e.scheduler.running if r.ready_s > now]
         if not candidates:
             break
+        # a monitor's window ends while requests wait or run, or finished ones are still to be shown to it (a
+        # serving engine closes its windows idle too; the empty ones change nothing)
+        candidates += [w for e in engines if e.switching is not None and e.switching.watching(e.scheduler)
+                       for w in [e.switching.next_window_s()] if w is not None and w > now]
         now = max(now, min(candidates))
         done = sum(len(e.scheduler.done) + len(e.scheduler.rejected) for e in engines)
         if progress is not None and done >= reported + max(1, total // 20):
@@ -385,11 +453,14 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
 def simulate(ctx: PlanContext, plan: DeploymentPlan, seed: int = 0, objective: str = "throughput",
              max_context: int | None = DEFAULT_MAX_CONTEXT, feedback_s: float = 0.0, progress=None,
              workload: Workload | None = None, min_prompt: int = 128, link: Link | None = None,
-             draws: list[tuple[float, int, int]] | None = None, engine_shapes: bool = False) -> SimResult:
+             draws: list[tuple[float, int, int]] | None = None, engine_shapes: bool = False,
+             monitor: Monitor | None = None, latency_rows: int | None = None) -> SimResult:
     """Serve ``workload`` (default: ``ctx``'s; or explicit ``draws`` of (arrival, input, output)) with ``plan``:
     every arrival completes or is rejected. ``progress(done, total)`` is called as requests finish.
-    ``engine_shapes``: steps at their own shapes as a serving engine runs them (see `engines_for`)."""
-    engines = engines_for(ctx, plan, objective, max_context, feedback_s, min_prompt, link, engine_shapes)
+    ``engine_shapes``: steps at their own shapes as a serving engine runs them; ``monitor``, ``latency_rows``:
+    engines that switch objectives as `tessera serve`'s do (see `engines_for`)."""
+    engines = engines_for(ctx, plan, objective, max_context, feedback_s, min_prompt, link, engine_shapes, monitor,
+                          latency_rows)
     requests = ([Request(i, t, a, b) for i, (t, a, b) in enumerate(draws)] if draws is not None
                 else arrivals(workload or ctx.workload, seed))
     requests = run_requests(engines, requests, progress)
@@ -400,10 +471,18 @@ def simulate(ctx: PlanContext, plan: DeploymentPlan, seed: int = 0, objective: s
     makespan = end - start
     outputs = sum(r.generated if ctx.unit == "tokens/s" else 1 for r in served)
     tpot = [(r.finish_s - r.first_output_s) / (r.output - 1) for r in served if r.output > 1]
-    lanes = {f"{e.name}:{'+'.join(sorted(lane.phases))}": lane.busy_s for e in engines for lane in e.lanes}
+    lanes: dict[str, float] = {}
+    for e in engines:  # a switching engine's lanes of both objectives, summed where they run the same phases
+        modes = e.switching.modes.values() if e.switching is not None else ()
+        every = list({id(ln): ln for ln in [*e.lanes, *(ln for m in modes for ln in m.lanes if ln.busy_s > 0)]
+                      }.values())
+        for lane in every:
+            key = f"{e.name}:{'+'.join(sorted(lane.phases))}"
+            lanes[key] = lanes.get(key, 0.0) + lane.busy_s
     return SimResult(plan.model, plan.policy, plan.workload, ctx.unit, outputs / makespan if makespan > 0 else 0.0,
                      makespan, len(served), len(rejected), [r.first_output_s - r.arrival_s for r in served], tpot,
                      [r.finish_s - r.arrival_s for r in served],
                      float(np.mean([(r.finish_s - r.arrival_s) / r.output for r in served])) if served else 0.0,
                      sum(e.steps for e in engines), lanes, [f"request {r.id}: {r.rejected}" for r in rejected],
-                     sum(e.scheduler.preemptions for e in engines))
+                     sum(e.scheduler.preemptions for e in engines),
+                     sum(e.switching.switches for e in engines if e.switching is not None))
