@@ -74,7 +74,6 @@ def main() -> None:
     from tessera.runtime.pair_costs import local_pair_costs
     from tessera.runtime.prompt_profile import serving_profile
     from tessera.runtime.session import host_profile, planned_decode_position, runtime_context, runtime_graphs
-    from tessera.sched.monitor import Monitor
     from tessera.serve.bench import run_bench
     from tessera.serve.config import ServeConfig
     from tessera.serve.launch import PLAN_OUTPUT, PLAN_PROMPT, start_engine
@@ -122,13 +121,13 @@ def main() -> None:
     # the simulator switches objectives as the served engine's monitor does (its settings; request-dist's
     # replicas have one each), between the plan's throughput and latency step plans as the engine serves them
     served = engine.engines[0].monitor if isinstance(engine, ReplicatedEngine) else engine.monitor
-    monitor = Monitor(served.beta, served.window_s, served.cooldown_s, served.hysteresis, "latency", served.enabled)
+    monitor = served.fresh("latency")  # a serving engine starts on the latency objective
     for chosen in (plan, plain_plan):
         add_objective_steps(pctx, chosen, "latency")
     # the simulator switches objectives as the served engine's monitor does (its settings; request-dist's
     # replicas each have one), with the latency step plans the engine serves
     served = engine.engines[0].monitor if hasattr(engine, "engines") else engine.monitor
-    monitor = Monitor(served.beta, served.window_s, served.cooldown_s, served.hysteresis, "latency", served.enabled)
+    monitor = served.fresh("latency")  # a serving engine starts on the latency objective
     for p in (plan, plain_plan):
         add_objective_steps(pctx, p, "latency")
     ports: list[int] = []

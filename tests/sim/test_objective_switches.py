@@ -140,3 +140,20 @@ def test_simulate_cli_switches_with_the_monitor_and_refuses_bad_uses():
     assert res.exit_code != 0 and "--latency-rows must be at least 1" in res.output
     res = runner.invoke(app, [*args, "--monitor", "--engine", "vllm"])
     assert res.exit_code != 0 and "leave --monitor out" in res.output
+
+
+def test_every_engine_switches_with_a_monitor_of_its_own():
+    used = Monitor(beta=2.0, window_s=0.5, cooldown_s=3.0, hysteresis=0.5)
+    used.close_window(1.0, [], [], [])
+    used.switch_count, used.objective = 3, "throughput"
+    fresh = used.fresh("latency")
+    assert (fresh.beta, fresh.window_s, fresh.cooldown_s, fresh.hysteresis, fresh.enabled) == (2.0, 0.5, 3.0, 0.5, True)
+    assert fresh.objective == "latency" and fresh.switch_count == 0 and not fresh.switches
+    assert fresh._window_start is None and used.fresh().objective == "throughput"
+    ctx = _context("fixed:in=64,out=16,requests=16")
+    plan = plan_policy(ctx, "request-dist", "throughput")
+    engines = engines_for(ctx, plan, monitor=used, latency_rows=2)
+    assert len(engines) == 2 and engines[0].switching.monitor is not engines[1].switching.monitor
+    for e in engines:  # each starts on the objective of the monitor given: throughput, every slot
+        assert e.switching.monitor is not used and e.switching.monitor.objective == "throughput"
+        assert e.max_rows == e.scheduler.slots and e.switching.modes["latency"].max_rows == 2

@@ -67,6 +67,12 @@ class Monitor:
             raise MonitorError(f"monitor settings must be positive: beta {self.beta}, window {self.window_s} s, "
                                f"cool-down {self.cooldown_s} s, hysteresis {self.hysteresis} (in (0, 1])")
 
+    def fresh(self, objective: str | None = None) -> Monitor:
+        """A monitor with these settings and none of this one's windows or switches, on ``objective`` (default:
+        this one's)."""
+        return Monitor(self.beta, self.window_s, self.cooldown_s, self.hysteresis, objective or self.objective,
+                       self.enabled)
+
     def due(self, now: float) -> bool:
         """Whether the current window is over."""
         if self._window_start is None:

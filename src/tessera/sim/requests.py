@@ -199,9 +199,7 @@ def _switching(ctx: PlanContext, plan: DeploymentPlan, part: EnginePart, shared:
         main = max(steps, key=lambda s: s.repeats)
         modes[objective] = EngineMode(_timer(ctx, steps, targets, feedback_s, link), _lanes(steps, shared),
                                       _delays(part.state_moves, steps), rows, frozenset(main.used_targets))
-    fresh = Monitor(monitor.beta, monitor.window_s, monitor.cooldown_s, monitor.hysteresis, monitor.objective,
-                    monitor.enabled)
-    return Switching(fresh, modes, _state_move_s(ctx, part, targets, link))
+    return Switching(monitor.fresh(), modes, _state_move_s(ctx, part, targets, link))
 
 
 def _state_move_s(ctx: PlanContext, part: EnginePart, targets: list[Target], link: Link | None) -> float:
