@@ -1,6 +1,8 @@
-"""`tessera serve`'s default deployment measured by `tessera bench`, beside the simulator's prediction with decode
-attention charged at each step's furthest cache position and with the charge before it was (attention at the
-planned mean position in the profiled step only, other rows' steps by the roofline).
+"""`tessera serve`'s default deployment measured by `tessera bench`, beside the simulator's prediction with its
+engines switching objectives as the served engines' monitors do (starting each workload on the objective the
+first engine is on), with decode attention charged at each step's furthest cache position and no monitor, and
+with the charge before it was (attention at the planned mean position in the profiled step only, other rows'
+steps by the roofline).
 
     .venv/bin/python benchmarks/bench_decode_positions.py [--workloads fixed:in=64,out=32,requests=32;...]
 
@@ -27,6 +29,7 @@ def main() -> None:
     import torch
 
     from bench_serve import _start_server  # uvicorn on a free port, in a thread
+    from tessera.plan.objective_steps import add_objective_steps
     from tessera.plan.planner import plan_policy
     from tessera.runtime.pair_costs import local_pair_costs
     from tessera.runtime.session import host_profile, planned_decode_position, runtime_context, runtime_graphs
@@ -34,6 +37,7 @@ def main() -> None:
     from tessera.serve.config import ServeConfig
     from tessera.serve.engine_probe import StepWork
     from tessera.serve.launch import PLAN_OUTPUT, PLAN_PROMPT, runtime_policy, start_engine
+    from tessera.serve.replicas import ReplicatedEngine
     from tessera.sim.requests import simulate
 
     torch.set_num_threads(1)
@@ -58,16 +62,23 @@ def main() -> None:
     contexts = {name: runtime_context(MODEL, 2, PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context, cfg.slots, 1, p, say)
                 for name, p in (("position", profile), ("before", before))}
     plans = {name: plan_policy(c, served.policy, "throughput") for name, c in contexts.items()}
+    add_objective_steps(contexts["position"], plans["position"], "latency")
+    first = engine.engines[0] if isinstance(engine, ReplicatedEngine) else engine
     rows = []
     for wl in args.workloads.split(";"):
         say(f"bench {wl}")
+        objective_at_start = first.monitor.objective  # left from the workload before (idle windows keep it)
         report = run_bench(url, wl, MODEL, seed=0)
         measured = report.summary()
         draws = [(o.planned.arrival_s, o.prompt_tokens or o.planned.input, max(1, o.output_tokens))
                  for o in report.outcomes if o.ok]
         predicted = {name: simulate(contexts[name], plans[name], max_context=cfg.max_context, feedback_s=feedback_s,
                                     min_prompt=cfg.min_prompt_bucket, draws=draws).summary() for name in contexts}
-        rows.append((wl, measured, predicted["position"], predicted["before"]))
+        predicted["monitor"] = simulate(
+            contexts["position"], plans["position"], max_context=cfg.max_context, feedback_s=feedback_s,
+            min_prompt=cfg.min_prompt_bucket, draws=draws, latency_rows=cfg.latency_rows,
+            monitor=first.monitor.fresh(objective_at_start)).summary()
+        rows.append((wl, measured, predicted["monitor"], predicted["position"], predicted["before"]))
     server.should_exit = True
     engine.stop()
 
@@ -75,15 +86,16 @@ def main() -> None:
         return "-" if v is None else f"{v * scale:.{digits}f}"
 
     print(f"{MODEL} on cpu:2, serve's defaults ({served.policy}, {cfg.slots} slots, context {cfg.max_context}, 1 thread "
-          f"per worker); measured by tessera bench | predicted by position | predicted before")
-    print("| workload | tokens/s | TTFT p50 (s) | TPOT p50 (ms) | TPOT p99 (ms) |")
-    print("|---|---|---|---|---|")
-    for wl, m, p, b in rows:
-        print(f"| {wl} | {f(m['throughput'], digits=1)} \\| {f(p['throughput'], digits=1)} \\| "
-              f"{f(b['throughput'], digits=1)} | {f(m['ttft_p50_s'])} \\| {f(p['ttft_p50_s'])} \\| "
-              f"{f(b['ttft_p50_s'])} | {f(m['tpot_p50_s'], 1e3, 0)} \\| {f(p['tpot_p50_s'], 1e3, 0)} \\| "
-              f"{f(b['tpot_p50_s'], 1e3, 0)} | {f(m['tpot_p99_s'], 1e3, 0)} \\| {f(p['tpot_p99_s'], 1e3, 0)} \\| "
-              f"{f(b['tpot_p99_s'], 1e3, 0)} |")
+          f"per worker); measured by tessera bench | predicted with the monitor | by position without it | before")
+    print("| workload | tokens/s | TTFT p50 (s) | TPOT p50 (ms) | TPOT p99 (ms) | switches predicted |")
+    print("|---|---|---|---|---|---|")
+
+    def cells(runs: tuple, key: str, scale: float = 1.0, digits: int = 2) -> str:
+        return " \\| ".join(f(x[key], scale, digits) for x in runs)
+
+    for wl, *runs in rows:
+        print(f"| {wl} | {cells(runs, 'throughput', digits=1)} | {cells(runs, 'ttft_p50_s')} | "
+              f"{cells(runs, 'tpot_p50_s', 1e3, 0)} | {cells(runs, 'tpot_p99_s', 1e3, 0)} | {runs[1]['switches']} |")
 
 
 if __name__ == "__main__":
