@@ -317,6 +317,15 @@ def test_a_step_moves_exactly_the_state_rows_it_reads(pool, model_dirs):
     assert runner.last_moves == []  # row 0 is on the decode worker now; row 1 was never read, so never moved
 
 
+def _prompt_in_slot_0(step, seed: int) -> dict[str, torch.Tensor]:
+    """A prefill's inputs with a prompt of its own (every token drawn from ``seed``) into slot 0."""
+    inputs = _random_inputs(step, "prefill", seed, 200)
+    g = torch.Generator().manual_seed(seed)
+    inputs["input_ids"] = torch.randint(1, 200, inputs["input_ids"].shape, generator=g)
+    inputs["slots"] = torch.zeros_like(inputs["slots"])
+    return inputs
+
+
 def test_a_prefill_fetches_no_rows_of_the_slot_it_reuses(pool, model_dirs):
     """A prefill writes its slot's KV without reading the row's earlier contents (`graph.state_reads`): after
     the decode worker decoded a slot, a new prompt prefilled into it moves nothing back to the prefill worker
@@ -342,10 +351,9 @@ def test_a_prefill_fetches_no_rows_of_the_slot_it_reuses(pool, model_dirs):
     m = next(s.micro_batches for s in plan.steps if s.phase == "decode")
     decode = {n: v.clone() for n, v in steps["decode"].inputs.items()}
     decode["slots"] = torch.zeros_like(decode["slots"])  # every row decodes the request in slot 0
+    decode["positions"] = torch.full_like(decode["positions"], PROMPT)  # after its prompt: attends to its KV
     chunks = [{n: v.clone() for n, v in decode.items()} for _ in range(m)]
-    first, second = (_random_inputs(steps["prefill"], "prefill", seed, 200) for seed in (300, 301))
-    for p in (first, second):
-        p["slots"] = torch.zeros_like(p["slots"])
+    first, second = (_prompt_in_slot_0(steps["prefill"], seed) for seed in (300, 301))
 
     used = runner()
     used.step_chunks("prefill", [first], [0])
@@ -365,3 +373,50 @@ def test_a_prefill_fetches_no_rows_of_the_slot_it_reuses(pool, model_dirs):
         assert got.keys() == want.keys()
         for name in want:
             assert torch.equal(got[name], want[name]), name
+
+
+def test_a_push_in_transit_lands_before_a_step_that_overwrites_its_rows_there(pool, model_dirs):
+    """A prefill's KV pushed on to the decode worker, and the slot prefilled again *on the decode worker* (another
+    objective's prefill placement; its request ended with its prefill) while the first step is in flight: the push
+    must be received before that prefill, or it would land after it and overwrite the new prompt's KV with the
+    old one at the next decode."""
+    from tessera.runtime.session import runtime_context
+
+    model = model_dirs["llm"]
+    ctx = runtime_context(model, 2, PROMPT, DECODES, CTX, 2 * M, M)
+    plan = plan_policy(ctx, "prefill-decode")
+    by_phase = {ph.phase: ph for ph in ctx.phases}
+    graphs = {s.phase: ctx.graph(by_phase[s.phase], s.micro_batches) for s in plan.steps}
+    steps = _cpu_steps(model, graphs)
+    weights, _ = unique_state({k: v for st in steps.values() for k, v in st.modules.items()})
+    assignments = {s.phase: list(s.assignment) for s in plan.steps}
+    decode_worker = assignments["decode"][0]
+    assert set(assignments["decode"]) == {decode_worker} and set(assignments["prefill"]) == {1 - decode_worker}
+    graphs["prefill-there"] = graphs["prefill"]  # the same step placed where the decode runs
+    assignments["prefill-there"] = [decode_worker] * len(graphs["prefill"].kernels)
+    m = next(s.micro_batches for s in plan.steps if s.phase == "decode")
+    micro = {s.phase: s.micro_batches for s in plan.steps} | {"prefill-there": 1}
+
+    def runner():
+        return DistributedRunner(pool, graphs, assignments, micro, weights=weights, state_instances=M)
+
+    decode = {n: v.clone() for n, v in steps["decode"].inputs.items()}
+    decode["slots"] = torch.zeros_like(decode["slots"])
+    decode["positions"] = torch.full_like(decode["positions"], PROMPT)  # after its prompt: attends to its KV
+    chunks = [{n: v.clone() for n, v in decode.items()} for _ in range(m)]
+    old, new = (_prompt_in_slot_0(steps["prefill"], seed) for seed in (310, 311))
+
+    used = runner()
+    first = used.submit_chunks("prefill", [old], [0], push_to=("decode",))  # its push is received once it is back
+    assert used._transit
+    second = used.submit_chunks("prefill-there", [new], [0])  # submitted while the first is still in flight
+    assert not used._transit  # the push is received before the step that overwrites its rows there
+    used.result(first), used.result(second)
+    got = used.step_chunks("decode", chunks, [0] * m)
+
+    fresh = runner()
+    fresh.step_chunks("prefill-there", [new], [0])
+    want = fresh.step_chunks("decode", chunks, [0] * m)
+    for g, w in zip(got, want, strict=True):
+        for name in w:
+            assert torch.equal(g[name], w[name]), name
