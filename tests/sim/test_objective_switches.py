@@ -140,6 +140,8 @@ def test_simulate_cli_switches_with_the_monitor_and_refuses_bad_uses():
     assert res.exit_code != 0 and "--latency-rows must be at least 1" in res.output
     res = runner.invoke(app, [*args, "--monitor", "--engine", "vllm"])
     assert res.exit_code != 0 and "leave --monitor out" in res.output
+    res = runner.invoke(app, [*args, "--latency-rows", "4"])
+    assert res.exit_code != 0 and "give it with --monitor" in res.output
 
 
 def test_every_engine_switches_with_a_monitor_of_its_own():
@@ -149,7 +151,7 @@ def test_every_engine_switches_with_a_monitor_of_its_own():
     fresh = used.fresh("latency")
     assert (fresh.beta, fresh.window_s, fresh.cooldown_s, fresh.hysteresis, fresh.enabled) == (2.0, 0.5, 3.0, 0.5, True)
     assert fresh.objective == "latency" and fresh.switch_count == 0 and not fresh.switches
-    assert fresh._window_start is None and used.fresh().objective == "throughput"
+    assert fresh.window_end_s() is None and used.fresh().objective == "throughput"
     ctx = _context("fixed:in=64,out=16,requests=16")
     plan = plan_policy(ctx, "request-dist", "throughput")
     engines = engines_for(ctx, plan, monitor=used, latency_rows=2)

@@ -62,8 +62,8 @@ def simulate(
                                  "and latency step plans as `tessera serve`'s online monitor does (its default "
                                  "settings; latency plans added where the plan has none), instead of running "
                                  "the throughput plans throughout."),
-    latency_rows: int = typer.Option(LATENCY_BUCKET, "--latency-rows", help="With --monitor: requests in flight "
-                                     "while the latency plans run (as `tessera serve --latency-rows`)."),
+    latency_rows: int = typer.Option(None, "--latency-rows", help="With --monitor: requests in flight while the "
+                                     f"latency plans run (as `tessera serve --latency-rows`; default {LATENCY_BUCKET})."),
     factors: Path = opt.FACTORS,
     as_json: bool = opt.JSON,
 ) -> None:
@@ -100,7 +100,7 @@ def simulate(
                 switching = Monitor()
             result = run_simulation(ctx, plan, seed, max_context=max_context, engine_shapes=engine_shapes,
                                     progress=lambda done, total: bar.update(task, completed=done, total=total),
-                                    monitor=switching, latency_rows=latency_rows if monitor else None)
+                                    monitor=switching, latency_rows=latency_rows or LATENCY_BUCKET)
     except TesseraError as e:
         _fail(e)
     summary = result.summary()
@@ -134,13 +134,16 @@ def simulate(
         _out.print(f"  rejected: {line}")
 
 
-def _check_monitor(engine: str, monitor: bool, latency_rows: int) -> None:
+def _check_monitor(engine: str, monitor: bool, latency_rows: int | None) -> None:
     from tessera.sim.requests import SimulationSetupError
 
     if monitor and engine != "tessera":
         raise SimulationSetupError("--monitor switches Tessera's own engine between its plans; the vLLM simulator "
                                    "follows the router's shares (--shares): leave --monitor out")
-    if latency_rows < 1:
+    if latency_rows is not None and not monitor:
+        raise SimulationSetupError("--latency-rows caps the latency plans the monitor switches to: give it with "
+                                   "--monitor")
+    if latency_rows is not None and latency_rows < 1:
         raise SimulationSetupError(f"--latency-rows must be at least 1 (got {latency_rows})")
 
 

@@ -73,6 +73,10 @@ class Monitor:
         return Monitor(self.beta, self.window_s, self.cooldown_s, self.hysteresis, objective or self.objective,
                        self.enabled)
 
+    def window_end_s(self) -> float | None:
+        """When the current window ends (None before the first is opened by :meth:`due`)."""
+        return None if self._window_start is None else self._window_start + self.window_s
+
     def due(self, now: float) -> bool:
         """Whether the current window is over."""
         if self._window_start is None:

@@ -54,10 +54,6 @@ class Switching:
         """Whether a window's end may change anything: requests wait or run, or some finished unseen."""
         return bool(scheduler.waiting or scheduler.running or len(scheduler.done) > self.seen)
 
-    def next_window_s(self) -> float | None:
-        """When the current window ends (None before the first)."""
-        start = self.monitor._window_start
-        return None if start is None else start + self.monitor.window_s
 
 
 def use_mode(engine: Any, mode: EngineMode) -> None:

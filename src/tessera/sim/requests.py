@@ -435,7 +435,7 @@ def run_requests(engines: list[Engine], requests: list[Request], progress=None) 
         # a monitor's window ends while requests wait or run, or finished ones are still to be shown to it (a
         # serving engine closes its windows idle too; the empty ones change nothing)
         candidates += [w for e in engines if e.switching is not None and e.switching.watching(e.scheduler)
-                       for w in [e.switching.next_window_s()] if w is not None and w > now]
+                       for w in [e.switching.monitor.window_end_s()] if w is not None and w > now]
         now = max(now, min(candidates))
         done = sum(len(e.scheduler.done) + len(e.scheduler.rejected) for e in engines)
         if progress is not None and done >= reported + max(1, total // 20):
