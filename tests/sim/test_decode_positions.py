@@ -99,10 +99,11 @@ def test_positions_outside_the_context_are_refused(measured):
     with pytest.raises(PositionError, match="a cache of 1 position has one"):
         profiled_positions(1)
     with pytest.raises(PositionError, match="a short and a longer position"):
-        PositionModel.fit(graphs["decode"], "cpu", (5, 5), [0.0] * len(graphs["decode"].kernels),
-                          [0.0] * len(graphs["decode"].kernels))
+        PositionModel.fit(graphs["decode"], "cpu", (5, 5), [[0.0] * len(graphs["decode"].kernels)] * 2)
     with pytest.raises(PositionError, match="position 16 is outside the profiled decode step's cache"):
-        PositionModel.fit(graphs["decode"], "cpu", (1, 16), [], [])
+        PositionModel.fit(graphs["decode"], "cpu", (1, 16), [[], []])
+    with pytest.raises(PositionError, match="every profile must time this graph"):
+        PositionModel.fit(graphs["decode"], "cpu", (1, 8, 15), [[0.0] * len(graphs["decode"].kernels)] * 2)
 
 
 def test_gpu_steps_are_unchanged_by_a_profile_fitted_by_position(measured):
@@ -162,3 +163,49 @@ def test_the_planner_charges_attention_at_the_planned_position_in_steps_no_profi
     at_planned = statistics.median((1 - share) * short.kernels[i].median_s + share * long.kernels[i].median_s
                                    for i in same)
     assert profiled[k].time_s == pytest.approx(profile.overhead.kernel_s(at_planned, 0.0), rel=1e-9)
+
+
+def test_a_large_cache_is_profiled_at_three_positions():
+    assert profiled_positions(512) == (7, 63, 511)  # a sixty-fourth, an eighth, the last
+    assert profiled_positions(128) == (1, 15, 127)
+    assert profiled_positions(64) == (7, 63) and profiled_positions(16) == (1, 15)  # too small for the shortest
+    assert profiled_positions(2) == (0, 1)
+
+
+def test_the_fit_is_piecewise_through_every_profiled_position(measured):
+    """Decode attention has a floor of fixed work at short contexts and bends up where its working set leaves the
+    cache: a line through two positions misprices both; the fit goes through each measured point."""
+    _, graphs, _, _ = measured
+    graph = graphs["decode"]
+    attention = _positional(graph)
+    times = [[0.0] * len(graph.kernels) for _ in range(3)]
+    for i, seconds in enumerate((1e-3, 2e-3, 10e-3)):
+        for k in attention:
+            times[i][k] = seconds
+    model = PositionModel.fit(graph, "cpu", (1, 8, 15), times)
+    kernel = graph.kernels[attention[0]]
+    at = {p: model.kernel_s(kernel, p) for p in (0, 1, 4, 8, 12, 15)}
+    assert at[1] == pytest.approx(1e-3) and at[8] == pytest.approx(2e-3) and at[15] == pytest.approx(10e-3)
+    assert at[4] == pytest.approx(1e-3 + 1e-3 * 3 / 7)  # on the first segment
+    assert at[12] == pytest.approx(2e-3 + 8e-3 * 4 / 7)  # on the second
+    assert at[0] == pytest.approx(1e-3 - 1e-3 / 7)  # the first segment continued below it
+    two = PositionModel.fit(graph, "cpu", (1, 15), [times[0], times[2]])
+    assert two.kernel_s(kernel, 8) == pytest.approx(1e-3 + 9e-3 * 7 / 14)  # the line the middle point bends
+
+
+def test_a_step_is_charged_between_the_profiled_positions_around_it(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models") / "tiny-llm"
+    tiny_config("llm").save_pretrained(folder)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TESSERA_CACHE", str(tmp_path_factory.mktemp("cache")))
+        graphs = runtime_graphs(str(folder), PROMPT, 128, ROWS)
+        profile = host_profile(str(folder), graphs, 1, decode_position=40)
+    assert profile.positions.positions == (1, 15, 127)
+    ctx = runtime_context(str(folder), 1, PROMPT, OUTPUT, 128, ROWS, 1, profile)
+    plan = plan_policy(ctx, "homogeneous", "throughput", "cpu")
+    timer = engines_for(ctx, plan, max_context=128, min_prompt=PROMPT, feedback_s=1e-4)[0].timer
+    steps = {p: timer.time("decode", ROWS, None, 128, p) for p in (1, 8, 15, 71, 127)}
+    for p, (lo, hi) in ((8, (1, 15)), (71, (15, 127))):
+        share = (p - lo) / (hi - lo)
+        assert steps[p].first_s == pytest.approx((1 - share) * steps[lo].first_s + share * steps[hi].first_s,
+                                                  rel=1e-9)

@@ -5,12 +5,16 @@ other rows' positions (a batch of mixed positions costs what every row at the fu
 benchmarks/README.md, "Decode attention by each step's position"). No other kernel of a decode step varies with
 the position beyond the noise of two profiles.
 
-A `PositionModel` fits each such kernel's time linearly in the KV positions it reads, from a decode step profiled
-at two positions on one device, and charges it for a step of any rows at any position of the cache.
+A `PositionModel` fits each such kernel's time piecewise linearly in the KV positions it reads, from a decode step
+profiled at a few positions on one device (`profiled_positions`: a very short context, a short one and the
+longest), and charges it for a step of any rows at any position of the cache. The time is not one line: a short
+context has a floor of fixed work per call, and the working set leaving the last-level cache bends it upward
+further on (benchmarks/README.md).
 """
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import dataclass, field
 
@@ -39,13 +43,22 @@ def kernel_rows(kernel: Kernel) -> int:
     return int(kernel.args[0]["$t"][3][0])
 
 
-def profiled_positions(ctx: int) -> tuple[int, int]:
-    """The two cache positions a decode step of a cache of ``ctx`` positions is profiled at: a short context (an
-    eighth into the cache) and the longest (its last position)."""
+def profiled_positions(ctx: int) -> tuple[int, ...]:
+    """The cache positions, rising, a decode step of a cache of ``ctx`` positions is profiled at: a very short
+    context (a sixty-fourth into the cache, where it is at least position 1 and short of the next), a short one (an
+    eighth into it) and the longest (its last position)."""
     if ctx < 2:
         raise PositionError(f"a decode step is profiled at two positions of its cache; a cache of {ctx} position "
                             "has one")
-    return max(0, ctx // 8 - 1), ctx - 1
+    short = max(0, ctx // 8 - 1)
+    shortest = ctx // 64 - 1
+    return ((shortest,) if 1 <= shortest < short else ()) + (short, ctx - 1)
+
+
+def segment(positions: tuple[int, ...], position: int) -> int:
+    """The index i of the profiled positions' segment (positions[i], positions[i + 1]) that charges ``position``:
+    the one holding it, the first below them, the last beyond them."""
+    return min(max(bisect.bisect_right(positions, position) - 1, 0), len(positions) - 2)
 
 
 def check_position(position: int, ctx: int, what: str = "the step's cache") -> None:
@@ -54,63 +67,67 @@ def check_position(position: int, ctx: int, what: str = "the step's cache") -> N
         raise PositionError(f"position {position} is outside {what} of {ctx} positions (0 .. {ctx - 1})")
 
 
-def interpolate(short_s: float, long_s: float, positions: tuple[int, int], position: int) -> float:
-    """A time measured ``short_s`` and ``long_s`` at the two ``positions``, linearly at ``position`` (>= 0)."""
-    lo, hi = positions
-    return max(0.0, short_s + (long_s - short_s) * (position - lo) / (hi - lo))
+def interpolate(times_s: list[float], positions: tuple[int, ...], position: int) -> float:
+    """A time measured ``times_s[i]`` at each of ``positions``, piecewise linearly at ``position`` (>= 0)."""
+    i = segment(positions, position)
+    lo, hi = positions[i], positions[i + 1]
+    return max(0.0, times_s[i] + (times_s[i + 1] - times_s[i]) * (position - lo) / (hi - lo))
 
 
 @dataclass(frozen=True)
 class PositionFit:
-    """One positional kernel's seconds: ``base_s`` plus ``per_position_s`` for every KV position it reads."""
+    """One positional kernel's seconds against the KV positions it reads, rows x (furthest + 1): piecewise linear
+    through its measured points (``reads``, rising, and their ``seconds``), the end segments continued beyond them
+    (never below 0)."""
 
-    base_s: float
-    per_position_s: float
+    reads: tuple[int, ...]
+    seconds: tuple[float, ...]
 
     def time_s(self, rows: int, position: int) -> float:
         """Seconds of the kernel over ``rows`` rows whose furthest position is ``position``."""
-        return max(0.0, self.base_s + self.per_position_s * rows * (position + 1))
+        x = rows * (position + 1)
+        i = min(max(bisect.bisect_right(self.reads, x) - 1, 0), len(self.reads) - 2)
+        x0, x1, t0, t1 = self.reads[i], self.reads[i + 1], self.seconds[i], self.seconds[i + 1]
+        return max(0.0, t0 + (t1 - t0) * (x - x0) / (x1 - x0))
 
 
 @dataclass(frozen=True)
 class PositionModel:
-    """The positional kernels of decode steps profiled on ``device`` at ``positions`` (short, long) of a cache of
-    ``ctx`` positions, each kernel's time fitted through its two measurements (by `positional_key`); ``planned``:
-    the planned workload's mean position, where a step without a position of its own is charged."""
+    """The positional kernels of decode steps profiled on ``device`` at ``positions`` (rising) of a cache of
+    ``ctx`` positions, each kernel's time fitted through its measurements (by `positional_key`); ``planned``: the
+    planned workload's mean position, where a step without a position of its own is charged."""
 
     device: str
-    positions: tuple[int, int]
+    positions: tuple[int, ...]
     ctx: int
     fits: dict[str, PositionFit] = field(default_factory=dict)
     planned: int | None = None
 
     @classmethod
-    def fit(cls, graph: KernelGraph, device: str, positions: tuple[int, int], short_s: list[float],
-            long_s: list[float], planned: int | None = None) -> PositionModel:
+    def fit(cls, graph: KernelGraph, device: str, positions: tuple[int, ...], times_s: list[list[float]],
+            planned: int | None = None) -> PositionModel:
         """Fit the positional kernels of ``graph`` (a decode step) from its kernels' times measured on
-        ``device`` with every row at ``positions[0]`` (``short_s``, by kernel index) and at ``positions[1]``
-        (``long_s``); a kernel shared by several layers takes the median of their times."""
+        ``device`` with every row at each of ``positions`` (``times_s[i]``, by kernel index, at ``positions[i]``); a
+        kernel shared by several layers takes the median of their times."""
         ctx = int(graph.meta.get("ctx") or 0)
-        lo, hi = positions
         for p in positions:
             check_position(p, ctx, "the profiled decode step's cache")
-        if hi <= lo:
-            raise PositionError(f"a fit needs a short and a longer position (got {lo} and {hi})")
-        if len(short_s) != len(graph.kernels) or len(long_s) != len(graph.kernels):
-            raise PositionError(f"times of {len(short_s)} and {len(long_s)} kernels for a graph of "
-                                f"{len(graph.kernels)}: both profiles must time this graph")
-        groups: dict[str, tuple[int, list[float], list[float]]] = {}
+        if len(positions) < 2 or any(b <= a for a, b in zip(positions, positions[1:], strict=False)):
+            raise PositionError(f"a fit needs a short and a longer position, each further than the one before (got "
+                                f"{', '.join(map(str, positions))})")
+        if len(times_s) != len(positions) or any(len(t) != len(graph.kernels) for t in times_s):
+            raise PositionError(f"times of {', '.join(str(len(t)) for t in times_s)} kernels at {len(positions)} "
+                                f"positions for a graph of {len(graph.kernels)}: every profile must time this graph")
+        groups: dict[str, tuple[int, list[list[float]]]] = {}
         for k in graph.kernels:
             key = positional_key(k)
             if key is not None:
-                rows, short, long = groups.setdefault(key, (kernel_rows(k), [], []))
-                short.append(short_s[k.index])
-                long.append(long_s[k.index])
-        fits = {}
-        for key, (rows, short, long) in groups.items():
-            t_lo, t_hi = statistics.median(short), statistics.median(long)
-            per = (t_hi - t_lo) / (rows * (hi - lo))
-            fits[key] = PositionFit(t_lo - per * rows * (lo + 1), per)
+                rows, measured = groups.setdefault(key, (kernel_rows(k), [[] for _ in positions]))
+                for i, times in enumerate(times_s):
+                    measured[i].append(times[k.index])
+        fits = {key: PositionFit(tuple(rows * (p + 1) for p in positions),
+                                 tuple(statistics.median(m) for m in measured))
+                for key, (rows, measured) in groups.items()}
         if planned is not None:
             check_position(planned, ctx, "the profiled decode step's cache")
         return cls(device, positions, ctx, fits, planned)

@@ -110,12 +110,12 @@ def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
     weights read from memory, :mod:`tessera.runtime.overhead_probe`, cached per host and code).
 
     With ``decode_position`` (the planned workload's mean decode position, see `planned_decode_position`), a
-    decode step is timed twice, every row at a short and at the longest position of its cache
+    decode step is timed with every row at each of a few positions of its cache, up to the longest
     (`tessera.cost.positions.profiled_positions`; cached per position): the kernels whose time follows the
-    position (decode attention) are fitted between the two (the profile's ``positions``, which the simulator
-    charges at each step's furthest position) and charged at ``decode_position`` to the planner (in this step,
-    and in steps of other rows, which no profile times), the others as timed at the short position. Without it,
-    decode is timed with every row at position 0.
+    position (decode attention) are fitted through them (the profile's ``positions``, which the simulator charges
+    at each step's furthest position) and charged at ``decode_position`` to the planner (in this step, and in
+    steps of other rows, which no profile times), the others as timed at the short position (an eighth into the
+    cache). Without it, decode is timed with every row at position 0.
 
     Raises:
         PositionError: ``decode_position`` outside a decode step's cache.
@@ -135,11 +135,11 @@ def host_profile(model: str, graphs: dict[str, KernelGraph], threads: int,
         else:
             check_position(decode_position, int(g.meta["ctx"]), f"the {phase} step's cache")
             span = profiled_positions(int(g.meta["ctx"]))
-            short, long = (at(phase, g, p) for p in span)
-            fitted = PositionModel.fit(g, short.device, span, [k.median_s for k in short.kernels],
-                                       [k.median_s for k in long.kernels], decode_position)
+            profiles = [at(phase, g, p) for p in span]
+            fitted = PositionModel.fit(g, profiles[0].device, span,
+                                       [[k.median_s for k in pr.kernels] for pr in profiles], decode_position)
             positions = fitted if positions is None else positions.merged(fitted)
-            prof = _positioned(g, short, long, span, decode_position)
+            prof = _positioned(g, profiles, span, decode_position)
         if merged is None:
             merged = prof
         else:
@@ -173,18 +173,20 @@ def graph_profile(model: str, phase: str, name: str, graph: KernelGraph, threads
     return cached_profile(path, measure, graph.hash, log)
 
 
-def _positioned(graph: KernelGraph, short, long, span: tuple[int, int], position: int):
-    """The decode profile ``short`` (timed at ``span[0]``) with each kernel whose time follows the cache position
-    interpolated at ``position`` between its times in ``short`` and ``long`` (timed at ``span[1]``)."""
+def _positioned(graph: KernelGraph, profiles: list, span: tuple[int, ...], position: int):
+    """The decode profile timed at the short position (``profiles[-2]``, at ``span[-2]``; ``profiles[i]`` is timed
+    at ``span[i]``) with each kernel whose time follows the cache position interpolated at ``position`` between its
+    times in the profiles."""
     from dataclasses import replace
 
     from tessera.cost.positions import interpolate, positional_key
 
+    short = profiles[-2]
     kernels = []
-    for k, s, lg in zip(graph.kernels, short.kernels, long.kernels, strict=True):
+    for k, s, *timed in zip(graph.kernels, short.kernels, *(pr.kernels for pr in profiles), strict=True):
         if positional_key(k) is not None:
-            s = replace(s, median_s=interpolate(s.median_s, lg.median_s, span, position),
-                        min_s=interpolate(s.min_s, lg.min_s, span, position))
+            s = replace(s, median_s=interpolate([t.median_s for t in timed], span, position),
+                        min_s=interpolate([t.min_s for t in timed], span, position))
         kernels.append(s)
     return replace(short, kernels=kernels)
 

@@ -10,11 +10,11 @@ the bucket, every kernel is timed on its target, the programs are built (exact b
 run, once alone and streamed back to back (the steady-state period is the better of the two: the
 engine streams a bucket only where streaming pays). Results are cached per (phase, bucket, M).
 
-On this host's CPU workers, with a host profile fitted at two decode positions (`tessera.cost.positions`), a
+On this host's CPU workers, with a host profile fitted at a few decode positions (`tessera.cost.positions`), a
 decode step given its furthest cache position charges the kernels whose time follows it (decode attention) at
-that position: the step is timed with them at each of the two profiled positions and interpolated linearly
-between (exact on one device, where a step's time is the sum of its kernels'; an estimate where a split's
-critical path bends). Without a position, or on GPUs, the step is timed as traced.
+that position: the step is timed with them at the two profiled positions around it (the nearest two beyond
+them) and interpolated linearly between (exact on one device, where a step's time is the sum of its kernels';
+an estimate where a split's critical path bends). Without a position, or on GPUs, the step is timed as traced.
 
 MoE expert splits (a grouped expert GEMM spread over targets) have no program form yet (the runtime
 does not run them): the kernel runs on its combine's target, taking the slowest part's time plus the
@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from tessera.cost.model import CostModel
+from tessera.cost.positions import segment
 from tessera.errors import TesseraError
 from tessera.hardware.cluster import Link
 from tessera.plan.build import transfer_assignment
@@ -205,7 +206,9 @@ class StepTimer:
                 raise StepTimingError(f"{phase} at {rows} rows: position {position} is outside the step's cache of "
                                       f"{spec.ctx} positions (0 .. {(spec.ctx or 0) - 1})")
             if self._positional_kernels(phase, rows, seq, ctx):
-                lo, hi = self._host_model.positions.positions
+                profiled = self._host_model.positions.positions
+                i = segment(profiled, position)
+                lo, hi = profiled[i], profiled[i + 1]
                 short, long = (self._timed(phase, rows, seq, ctx, p) for p in (lo, hi))
                 w = (position - lo) / (hi - lo)
                 first = (1 - w) * short.first_s + w * long.first_s
