@@ -56,8 +56,8 @@ def profiled_positions(ctx: int) -> tuple[int, ...]:
 
 
 def segment(positions: tuple[int, ...], position: int) -> int:
-    """The index i of the profiled positions' segment (positions[i], positions[i + 1]) that charges ``position``:
-    the one holding it, the first below them, the last beyond them."""
+    """The index i of the segment (positions[i], positions[i + 1]) of rising ``positions`` that charges
+    ``position``: the one holding it, the first below them, the last beyond them."""
     return min(max(bisect.bisect_right(positions, position) - 1, 0), len(positions) - 2)
 
 
@@ -86,7 +86,7 @@ class PositionFit:
     def time_s(self, rows: int, position: int) -> float:
         """Seconds of the kernel over ``rows`` rows whose furthest position is ``position``."""
         x = rows * (position + 1)
-        i = min(max(bisect.bisect_right(self.reads, x) - 1, 0), len(self.reads) - 2)
+        i = segment(self.reads, x)
         x0, x1, t0, t1 = self.reads[i], self.reads[i + 1], self.seconds[i], self.seconds[i + 1]
         return max(0.0, t0 + (t1 - t0) * (x - x0) / (x1 - x0))
 
