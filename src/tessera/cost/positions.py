@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tessera.errors import TesseraError
@@ -67,8 +68,9 @@ def check_position(position: int, ctx: int, what: str = "the step's cache") -> N
         raise PositionError(f"position {position} is outside {what} of {ctx} positions (0 .. {ctx - 1})")
 
 
-def interpolate(times_s: list[float], positions: tuple[int, ...], position: int) -> float:
-    """A time measured ``times_s[i]`` at each of ``positions``, piecewise linearly at ``position`` (>= 0)."""
+def interpolate(times_s: Sequence[float], positions: tuple[int, ...], position: int) -> float:
+    """A time measured ``times_s[i]`` at each of ``positions`` (rising), piecewise linearly at ``position``: the
+    segment holding it, the end segments continued beyond them (never below 0)."""
     i = segment(positions, position)
     lo, hi = positions[i], positions[i + 1]
     return max(0.0, times_s[i] + (times_s[i + 1] - times_s[i]) * (position - lo) / (hi - lo))
@@ -85,10 +87,7 @@ class PositionFit:
 
     def time_s(self, rows: int, position: int) -> float:
         """Seconds of the kernel over ``rows`` rows whose furthest position is ``position``."""
-        x = rows * (position + 1)
-        i = segment(self.reads, x)
-        x0, x1, t0, t1 = self.reads[i], self.reads[i + 1], self.seconds[i], self.seconds[i + 1]
-        return max(0.0, t0 + (t1 - t0) * (x - x0) / (x1 - x0))
+        return interpolate(self.seconds, self.reads, rows * (position + 1))
 
 
 @dataclass(frozen=True)
