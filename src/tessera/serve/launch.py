@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 
 PLAN_PROMPT = 64  # prompt length the placements are planned for (every prompt bucket has the same kernels)
 PLAN_OUTPUT = 64  # tokens generated per request in the planned workload
+# Within this planned throughput gain of one copy over a replica per worker, the two tie and the lower predicted
+# time per output token serves: the plans are steady states, where a split's idle phases (a burst's prefill,
+# then its decode, each on its own worker) do not show; Tessera's other tie rule (a route mix's least gain over
+# one engine) has the same default.
+REPLICA_TIE_GAIN = 0.05
 
 
 def _tokenizer(model: str):
@@ -125,16 +130,22 @@ def runtime_policy(cfg: ServeConfig, workers: int, threads: int, log: Callable[[
     context = measured_context(cfg.model, workers, threads, PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context, cfg.slots, log)
     one_copy, copies = (plan_policy(context, p, "throughput") for p in ("tessera", "request-dist"))
     if prefer_replicas(one_copy, copies):
-        log(f"request-dist (a replica per worker) planned at {copies.throughput:.1f} tokens/s against the tessera "
-            f"plan's {one_copy.throughput:.1f}: serving request-dist")
+        log(f"request-dist (a replica per worker) planned at {copies.throughput:.1f} tokens/s and "
+            f"{copies.latency_s * 1e3:.0f} ms a token against the tessera plan's {one_copy.throughput:.1f} and "
+            f"{one_copy.latency_s * 1e3:.0f}: serving request-dist")
         return ServedPolicy("request-dist", copies, context)
     return ServedPolicy(cfg.policy, one_copy, context)
 
 
 def prefer_replicas(one_copy, copies) -> bool:
-    """Whether request-dist's plan ``copies`` is runnable and predicted faster than the one-copy plan."""
-    return bool(copies.applicable and copies.feasible
-                and (not (one_copy.applicable and one_copy.feasible) or copies.throughput > one_copy.throughput))
+    """Whether request-dist's plan ``copies`` is runnable and predicted faster than the one-copy plan, or ties
+    with it (within `REPLICA_TIE_GAIN`) at a lower time per output token."""
+    if not (copies.applicable and copies.feasible):
+        return False
+    if not (one_copy.applicable and one_copy.feasible) or copies.throughput > one_copy.throughput:
+        return True
+    ties = one_copy.throughput <= copies.throughput * (1 + REPLICA_TIE_GAIN)
+    return ties and copies.latency_s < one_copy.latency_s
 
 
 def replanner(cfg: ServeConfig, threads: int, phases: list[str], log: Callable[[str], None]
