@@ -52,6 +52,24 @@ def test_invariant_gemms_match_torch_and_are_row_independent():
     assert invariant.invariant_op("tessera.rms_norm.default") is None
 
 
+def test_invariant_decode_attention_gives_each_row_its_result_alone():
+    import tessera.kernels  # noqa: F401  (registers the ops)
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, ctx, d = 9, 3, 512, 64  # smollm2-135m's attention
+    q = torch.randn(4, heads, 1, d, generator=g).bfloat16()
+    kc, vc = (torch.randn(6, kv_heads, ctx, d, generator=g).bfloat16() for _ in range(2))
+    slots, positions = torch.tensor([4, 0, 5, 2]), torch.tensor([3, 300, 70, 511])
+    args = (kc, vc, slots, positions, d ** -0.5, 0, None)
+    alone = torch.cat([torch.ops.tessera.decode_attention(q[i:i + 1], kc, vc, slots[i:i + 1], positions[i:i + 1],
+                                                          d ** -0.5, 0, None) for i in range(4)])
+    batched = torch.ops.tessera.decode_attention(q, *args)
+    assert not torch.equal(batched, alone)  # the op reads every row's keys up to the furthest row's position
+    torch.testing.assert_close(batched.float(), alone.float(), rtol=2e-2, atol=1e-2)
+    assert torch.equal(invariant.decode_attention(q, *args), alone)
+    assert invariant.invariant_op("tessera.decode_attention.default") is invariant.decode_attention
+
+
 class _Recorder(RecordingBackend):
     """Keeps every decode step's rows: (slot, position) -> logits."""
 

@@ -1,10 +1,11 @@
-"""Batch-invariant GEMMs: every output row computed by its own one-row GEMM.
+"""Batch-invariant GEMMs and decode attention: every output row computed by its own one-row call.
 
 A BLAS GEMM picks its blocking (and so the order in which it adds the K products) by the shape of the
 whole call, so the same input row can give results a rounding step apart at 1 row and at 8 rows (bf16:
 one step of 2^-8 relative, enough to flip a greedy token where the top two logits nearly tie). These
 replacements for ``aten.mm``, ``aten.addmm``, ``aten.linear`` and ``tessera::merged_linear`` run one GEMM of
-one row per output row, so a row's bits depend only on that row, never on how many rows share the
+one row per output row, and ``tessera::decode_attention`` one row's attention at a time (its key length is the
+step's furthest row's on a CPU), so a row's bits depend only on that row, never on which rows share the
 step. The runtime's ``Executor(batch_invariant=True)`` calls them in place of the traced ops; they are plain
 functions (not registered ops), so traced graphs, their hashes and the cost model are unchanged.
 
@@ -58,12 +59,25 @@ def merged_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[tor
     return out.view(*x.shape[:-1], n)
 
 
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     positions: torch.Tensor, scale: float, window: int, sinks: torch.Tensor | None) -> torch.Tensor:
+    """`tessera::decode_attention`, one row at a time. On a CPU the op reads the cache up to the step's
+    furthest row, and SDPA's bits depend on how many keys it is given (rows at positions 3 and 300: the row
+    at 3 differs from itself alone); row by row, each reads up to its own position, as it does alone."""
+    from tessera.kernels.bodies import body
+
+    op = body("tessera.decode_attention.default")
+    return torch.cat([op(q[i:i + 1], k_cache, v_cache, slots[i:i + 1], positions[i:i + 1], scale, window, sinks)
+                      for i in range(q.shape[0])])
+
+
 # traced op name -> its batch-invariant replacement
 REPLACEMENTS = {
     "aten.mm.default": mm,
     "aten.addmm.default": addmm,
     "aten.linear.default": linear,
     "tessera.merged_linear.default": merged_linear,
+    "tessera.decode_attention.default": decode_attention,
 }
 
 
