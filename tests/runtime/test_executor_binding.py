@@ -38,3 +38,32 @@ def _flat(values):
             yield from _flat(v)
         else:
             yield v
+
+
+def test_cpu_gemms_of_weights_run_on_packed_weights_with_the_same_bits(smollm2_step):
+    from tessera.kernels.prepacked import PackedWeights, packable
+
+    step, graph, weights, state0 = smollm2_step
+    if not packable(torch.bfloat16, torch.device("cpu")):
+        return  # nothing is packed on this CPU: the executor runs the traced GEMMs
+    gemms = {}
+    for k in graph.kernels:
+        names = [a["$t"][0] for a in _flat(k.args) if isinstance(a, dict) and "$t" in a]
+        if k.op == "aten.mm.default" and graph.buffers[names[1]].kind == "weight":
+            gemms[k.index] = (names[1],)
+        elif k.op == "tessera.merged_linear.default":
+            gemms[k.index] = tuple(names[1:])
+    assert len(gemms) == 4 * 30 + 1  # smollm2-135m: each of its 30 layers' QKV, O, gate/up and down; the LM head
+    packed = PackedWeights()
+    outs = {}
+    for prepack in (False, True):
+        ex = Executor(graph, single_device_program(graph), weights, packed=packed, prepack=prepack)
+        state = {n: t.clone() for n, t in state0.items()}
+        outs[prepack] = ({n: t.clone() for n, t in ex.run(step.inputs, state).items()}, state)
+        if prepack:
+            packed_ops = {i for i, call in ex._calls.items() if call.func.__module__ == "tessera.kernels.prepacked"}
+            assert packed_ops == set(gemms)  # every GEMM of a weight, nothing else
+    assert set(packed._packed) == set(gemms.values())  # one packed copy per weight set
+    (plain, plain_state), (fast, fast_state) = outs[False], outs[True]
+    assert all(torch.equal(plain[k], fast[k]) for k in plain)
+    assert all(torch.equal(plain_state[k], fast_state[k]) for k in plain_state)

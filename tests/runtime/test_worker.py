@@ -98,3 +98,45 @@ def test_a_worker_holding_several_phases_keeps_one_copy_of_each_weight():
         mine = worker.weights[name].untyped_storage()._cdata
         bound = {p: worker.phases[p][3]._static[name]._cdata for p in phases}
         assert set(bound.values()) == {mine}, f"{name}: phases bind {bound}, the worker holds {mine}"
+
+
+def test_a_cpu_worker_packs_each_gemm_weight_once_for_every_phase():
+    """bf16 GEMMs run on packed weights (`kernels.prepacked`): one packed copy per weight set in the worker,
+    however many phases read it; a load of other weights starts afresh."""
+    from tessera.capture.build import instantiate
+    from tessera.capture.models import resolve_model
+    from tessera.capture.phases import StepShape, build_model, step_for
+    from tessera.capture.tiny import tiny_config
+    from tessera.capture.trace import trace
+    from tessera.kernels.prepacked import packable
+    from tessera.program.program import single_device_program
+
+    if not packable(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("this CPU's oneDNN has no bf16 GEMM")
+    meta, values = instantiate(lambda: build_model("llm", tiny_config("llm")), "meta")
+    spec = resolve_model("smollm2-135m")
+    shapes = {"prefill": StepShape(batch=1, seq=8, ctx=16, slots=2), "decode": StepShape(batch=1, seq=1, ctx=16, slots=2),
+              "decode@2": StepShape(batch=2, seq=1, ctx=16)}
+    graphs = {p: trace(step_for(spec, meta, values, p.split("@")[0], s, device="meta")) for p, s in shapes.items()}
+    gen = torch.Generator().manual_seed(0)
+    weights = {}
+    for g in graphs.values():
+        for n in g.weight_names():
+            b = g.buffers[n]
+            weights.setdefault(n, (torch.randn(b.shape, generator=gen) * 0.2).to(getattr(torch, b.dtype)))
+    assert {w.dtype for w in weights.values()} == {torch.bfloat16}
+    worker = Worker(WorkerConfig(0, "127.0.0.1", 0, 1), store=None)
+    worker.load(c.Load({p: c.PhaseLoad(g, single_device_program(g), []) for p, g in graphs.items()}, None, weights, 1))
+    ids = torch.randint(0, 64, (1, 8), generator=gen)
+    worker.step(c.Step("prefill", [{"input_ids": ids, "slots": torch.tensor([0])}], [0]))
+    for phase, rows in (("decode", 1), ("decode@2", 2)):
+        inputs = {"input_ids": torch.full((rows, 1), 5), "positions": torch.full((rows,), 8),
+                  "slots": torch.arange(rows)}
+        worker.step(c.Step(phase, [inputs], [0]))
+    layers = tiny_config("llm").num_hidden_layers
+    assert len(worker.packed) == 4 * layers + 1  # QKV, O, gate/up, down a layer, and the LM head: not per phase
+    assert all(worker.phases[p][3].packed is worker.packed for p in graphs)
+    first = worker.packed
+    worker.load(c.Load({"decode": c.PhaseLoad(graphs["decode"], single_device_program(graphs["decode"]), [])},
+                       None, {n: w.clone() for n, w in weights.items()}, 1))
+    assert worker.packed is not first and len(worker.packed) == 0  # other weights: nothing packed from the old

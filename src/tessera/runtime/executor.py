@@ -18,6 +18,7 @@ from tessera.graph.codec import decode, dtype_from_name
 from tessera.graph.ir import KernelGraph, TensorRef
 from tessera.graph.values import unpack_values
 from tessera.kernels.invariant import invariant_op
+from tessera.kernels.prepacked import PackedWeights, packable
 from tessera.kernels.replay import replay_op
 from tessera.kernels.sample import with_sampling_defaults
 from tessera.program.program import Program
@@ -38,16 +39,22 @@ def resolve_op(name: str):
 
 class Executor:
     """Runs a Program of ``graph`` on ``device`` with weights given by buffer name. With ``batch_invariant``
-    its GEMMs run row by row (`tessera.kernels.invariant`): a row's results do not depend on the batch."""
+    its GEMMs run row by row (`tessera.kernels.invariant`): a row's results do not depend on the batch.
+    Otherwise, on a CPU, bf16 GEMMs of whole weights run on packed copies (`tessera.kernels.prepacked`, the
+    same bits), held by ``packed``: pass one object to every executor over the same weights to share them
+    (by default each executor packs its own); ``prepack=False`` runs the GEMMs as traced."""
 
     def __init__(self, graph: KernelGraph, program: Program, weights: Mapping[str, torch.Tensor],
-                 device: str | torch.device = "cpu", batch_invariant: bool = False):
+                 device: str | torch.device = "cpu", batch_invariant: bool = False,
+                 packed: PackedWeights | None = None, prepack: bool = True):
         if program.graph_hash != graph.hash:
             raise ExecutionError(f"program was built for graph {program.graph_hash}, not {graph.hash}")
         self.graph = graph
         self.program = program
         self.device = torch.device(device)
         self.batch_invariant = batch_invariant
+        self.packed = None if batch_invariant or not prepack or self.device.type != "cpu" else (
+            packed if packed is not None else PackedWeights())
         self.storages: dict[str, torch.UntypedStorage] = {}
         self._static: dict[str, torch.UntypedStorage] = {}
         self._static_views: dict[str, dict[tuple, torch.Tensor]] = {}  # weight / constant -> view key -> view
@@ -193,6 +200,9 @@ class Executor:
         call = self._calls.get(index)
         if call is None:
             call = _Call.compile(self.graph, index, self.device, self.batch_invariant)
+            gemm = self._packed_gemm(self.graph.kernels[index].op, call.args)
+            if gemm is not None:
+                call.func = call.op = gemm
             # weights and constants never change storage: their views are bound once, not refilled every call
             static = [h for h in call.holes if h[2].buffer in self._static]
             for container, key, slot in static:
@@ -200,6 +210,35 @@ class Executor:
             call.holes = [h for h in call.holes if h[2].buffer not in self._static]
             self._calls[index] = call
         return call
+
+    def _packed_gemm(self, op: str, args: list):
+        """The kernel on packed weights for a GEMM of whole bf16 weights without bias (``aten.mm`` of a weight's
+        transpose, ``aten.linear``, ``tessera::merged_linear``), or None to run the op as traced."""
+        if self.packed is None:
+            return None
+        one_weight = ((op == "aten.mm.default" and len(args) == 2 and self._whole_weight(args[1], transposed=True))
+                      or (op == "aten.linear.default" and (len(args) == 2 or (len(args) == 3 and args[2] is None))
+                          and self._whole_weight(args[1])))
+        if one_weight:
+            slots = [args[1]]
+        elif (op == "tessera.merged_linear.default" and len(args) == 3 and not args[2] and isinstance(args[1], list)
+              and args[1] and all(self._whole_weight(w) for w in args[1])):
+            slots = args[1]
+        else:
+            return None
+        names = tuple(w.buffer for w in slots)
+        weights = [self._static_view(_Slot.whole(self.graph.buffers[n])) for n in names]
+        return self.packed.gemm(names, weights)
+
+    def _whole_weight(self, arg, transposed: bool = False) -> bool:
+        """Whether ``arg`` is a whole 2-D weight [N, K] (or its transpose) of a dtype packed GEMMs run."""
+        if not isinstance(arg, _Slot) or arg.buffer not in self._static or arg.offset != 0:
+            return False
+        buf = self.graph.buffers[arg.buffer]
+        if buf.kind != "weight" or len(buf.shape) != 2 or not packable(arg.dtype, self.device):
+            return False
+        n, k = buf.shape
+        return (arg.sizes, arg.strides) == (((k, n), (1, k)) if transposed else ((n, k), (k, 1)))
 
     def _static_view(self, slot: _Slot) -> torch.Tensor:
         """The view ``slot`` of a weight or constant, shared by every kernel that reads it so."""
@@ -288,6 +327,14 @@ class _Slot:
     @classmethod
     def of(cls, ref: TensorRef) -> _Slot:
         return cls(ref)
+
+    @classmethod
+    def whole(cls, buf) -> _Slot:
+        """The whole buffer ``buf``, contiguous."""
+        strides = [1] * len(buf.shape)
+        for i in range(len(buf.shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * buf.shape[i + 1]
+        return cls(TensorRef(buf.name, buf.dtype, 0, list(buf.shape), strides))
 
 
 class _Call:

@@ -11,6 +11,7 @@ import torch
 
 from tessera.errors import TesseraError
 from tessera.graph.ir import KernelGraph
+from tessera.kernels.prepacked import PackedWeights
 from tessera.kernels.sample import step_seed
 from tessera.program.program import single_device_program
 from tessera.runtime.executor import Executor
@@ -83,8 +84,9 @@ class ReplayRunner:
     def __init__(self, graphs: Mapping[str, KernelGraph], weights: Mapping[str, torch.Tensor],
                  state: dict[str, torch.Tensor], device: str = "cpu", batch_invariant: bool = False):
         self.state = state
-        self.executors = {phase: Executor(g, single_device_program(g, device), weights, device, batch_invariant)
-                          for phase, g in graphs.items()}
+        packed = PackedWeights()  # one packed copy of each GEMM's weights, for every phase
+        self.executors = {phase: Executor(g, single_device_program(g, device), weights, device, batch_invariant,
+                                          packed) for phase, g in graphs.items()}
 
     def __call__(self, phase: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.executors[phase].run(inputs, self.state)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from tessera.graph.codec import dtype_from_name, dtype_name
 from tessera.graph.ir import KernelGraph, TensorRef
+from tessera.kernels.prepacked import PackedWeights
 from tessera.program.program import Piece, Program, Transfer
 from tessera.runtime.commands import (
     ARENA_TURNS,
@@ -154,6 +155,7 @@ class Worker:
         self.rank = -1  # position in the current process group
         self.weights: dict[str, torch.Tensor] = {}
         self.source: tuple | None = None  # the weight files (and their mtimes) self.weights came from
+        self.packed = PackedWeights()  # the CPU GEMMs' packed copies of self.weights, shared by every phase
         self.phases: dict[str, tuple[KernelGraph, Program, list[Transfer], Any, list, list]] = {}
         self.state: list[dict[str, torch.Tensor]] = []  # per micro-batch
         self.timeout = timedelta(seconds=cfg.transfer_timeout_s)
@@ -215,8 +217,11 @@ class Worker:
         names = sorted({w for ph in phases.values() for w in ph.program.weights})
         source = None if weights is not None else _files_identity(weights_path)
         # weights already loaded from the same files are kept (a re-plan after a lost worker); never by name alone
-        have = {n: t for n, t in self.weights.items() if n in names} if source and source == self.source else {}
+        kept = bool(source) and source == self.source
+        have = {n: t for n, t in self.weights.items() if n in names} if kept else {}
         self.source = source
+        if not kept:
+            self.packed = PackedWeights()
         missing = [n for n in names if n not in have]
         if missing and weights is not None:
             have.update({n: weights[n] for n in missing if n in weights})
@@ -234,7 +239,7 @@ class Worker:
         shapes: dict[str, tuple] = {}
         for name, ph in phases.items():
             graph, program = ph.graph, ph.program
-            ex = Executor(graph, program, self.weights, self.device, cmd.batch_invariant)
+            ex = Executor(graph, program, self.weights, self.device, cmd.batch_invariant, self.packed)
             ops = _opcodes(program)
             by_microbatch = [[op for op in ops if op[2] == m] for m in range(program.micro_batches)]
             if ph.transfers and max(t.tag for t in ph.transfers) >= TAG_SPAN:
