@@ -7,6 +7,7 @@ read from an old file.
 
 from __future__ import annotations
 
+import functools
 import platform
 import statistics
 import time
@@ -125,22 +126,34 @@ def measure_weight_bandwidth(threads: int = 1, shapes: dict[tuple[int, int], int
             for (out_f, in_f), times in shapes.items():
                 count = max(2, _WEIGHT_SET_BYTES // (out_f * in_f * 2))
                 weights = [torch.randn(out_f, in_f).to(torch.bfloat16) for _ in range(count)]
+                gemms = served_gemms(weights)
                 x = torch.randn(1, in_f).to(torch.bfloat16)
                 seconds = []
                 for p in range(passes + 1):
                     t0 = time.perf_counter()
-                    for w in weights:
-                        torch.nn.functional.linear(x, w)
+                    for gemm in gemms:
+                        gemm(x)
                     if p:
                         seconds.append(time.perf_counter() - t0)
                 per_call = statistics.median(seconds) / count
                 rates[(out_f, in_f)] = out_f * in_f * 2 / per_call
                 total_bytes += times * out_f * in_f * 2
                 total_s += times * per_call
-                del weights
+                del weights, gemms
     finally:
         torch.set_num_threads(before)
     return total_bytes / total_s, rates
+
+
+def served_gemms(weights: list[torch.Tensor]) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """``x -> x @ W.T`` for each weight as the executor runs it on this host: on a packed copy where it packs
+    (`tessera.kernels.prepacked`), else ``F.linear``."""
+    from tessera.kernels.prepacked import PackedWeights, packable
+
+    if weights and packable(weights[0].dtype, weights[0].device):
+        packed = PackedWeights()
+        return [packed.gemm((str(i),), [w]) for i, w in enumerate(weights)]
+    return [functools.partial(torch.nn.functional.linear, weight=w) for w in weights]
 
 
 def measure_cold_excess(threads: int = 1, shapes: dict[tuple[int, int], int] | None = None,
@@ -164,6 +177,7 @@ def measure_cold_excess(threads: int = 1, shapes: dict[tuple[int, int], int] | N
             for out_f, in_f in shapes:
                 count = min(_COLD_SET_MAX, max(2, _WEIGHT_SET_BYTES // (out_f * in_f * 2)))
                 weights = [torch.randn(out_f, in_f, dtype=torch.bfloat16) for _ in range(count)]
+                gemms = served_gemms(weights)
                 for r in rows:
                     x = torch.randn(r, in_f, dtype=torch.bfloat16)
                     per_call = {}
@@ -171,13 +185,13 @@ def measure_cold_excess(threads: int = 1, shapes: dict[tuple[int, int], int] | N
                         seconds = []
                         for p in range(passes + 1):
                             t0 = time.perf_counter()
-                            for w in weights:
-                                torch.nn.functional.linear(x, w if cold else weights[0])
+                            for gemm in gemms:
+                                (gemm if cold else gemms[0])(x)
                             if p:
                                 seconds.append(time.perf_counter() - t0)
                         per_call[cold] = statistics.median(seconds) / len(weights)
                     out.append((out_f, in_f, r, max(0.0, per_call[True] - per_call[False])))
-                del weights
+                del weights, gemms
     finally:
         torch.set_num_threads(before)
     return tuple(out)
