@@ -32,8 +32,8 @@ def serve(
     policy: str = typer.Option(None, "--policy", help="The policy planned (with this host's measured kernel "
                                "times) for both objectives: homogeneous | request-dist | prefill-decode | "
                                "attention-ffn | layer-pipeline | tessera (the default: the best plan for one copy of the "
-                               "model over the workers, or request-dist where its plan is predicted faster, or within 5% of it "
-                               "at a lower time per output token)."),
+                               "model over the workers, or request-dist where its plan is predicted faster, also on a burst "
+                               "that fills every slot, or within 5% of it at a lower time per output token)."),
     latency_policy: str = typer.Option(None, "--latency-policy", help="Another policy for the latency objective "
                                        "(default: --policy's own latency step plans)."),
     placement: str = typer.Option(None, "--placement", help="alternate | random: a synthetic placement for both "

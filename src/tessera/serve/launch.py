@@ -33,9 +33,8 @@ if TYPE_CHECKING:
 PLAN_PROMPT = 64  # prompt length the placements are planned for (every prompt bucket has the same kernels)
 PLAN_OUTPUT = 64  # tokens generated per request in the planned workload
 # Within this planned throughput gain of one copy over a replica per worker, the two tie and the lower predicted
-# time per output token serves: the plans are steady states, where a split's idle phases (a burst's prefill,
-# then its decode, each on its own worker) do not show; Tessera's other tie rule (a route mix's least gain over
-# one engine) has the same default.
+# time per output token serves (Tessera's other tie rule, a route mix's least gain over one engine, has the same
+# default)
 REPLICA_TIE_GAIN = 0.05
 
 
@@ -118,9 +117,9 @@ def plan_assignments(cfg: ServeConfig, workers: int, threads: int, log: Callable
 
 def runtime_policy(cfg: ServeConfig, workers: int, threads: int, log: Callable[[str], None]) -> ServedPolicy:
     """The policy served for ``cfg``: ``cfg.policy``, except that the default ``tessera`` (the best plan for one
-    copy of the model over the workers) gives way to ``request-dist`` (a copy per worker) where request-dist's
-    plan is predicted faster on this host's measured kernels: the planner's best among what this engine runs.
-    Where it planned both, the chosen plan comes with it (its context too), for the start to serve."""
+    copy of the model over the workers) gives way to ``request-dist`` (a copy per worker) where `prefer_replicas`
+    says so, on this host's measured kernels: the planner's best among what this engine runs. Where it planned
+    both, the chosen plan comes with it (its context too), for the start to serve."""
     if (cfg.policy != "tessera" or workers < 2 or cfg.local or cfg.placement is not None or cfg.plan_file is not None
             or cfg.latency_policy is not None):
         return ServedPolicy(cfg.policy)
@@ -129,20 +128,45 @@ def runtime_policy(cfg: ServeConfig, workers: int, threads: int, log: Callable[[
 
     context = measured_context(cfg.model, workers, threads, PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context, cfg.slots, log)
     one_copy, copies = (plan_policy(context, p, "throughput") for p in ("tessera", "request-dist"))
-    if prefer_replicas(one_copy, copies):
+    burst = None
+    if runnable(one_copy) and runnable(copies) and copies.throughput <= one_copy.throughput:
+        burst = tuple(burst_throughput(context, p, cfg) for p in (one_copy, copies))
+    if prefer_replicas(one_copy, copies, burst):
+        on_burst = (f"; on a burst of {cfg.slots} requests {burst[1]:.1f} against {burst[0]:.1f}"
+                    if burst is not None else "")
         log(f"request-dist (a replica per worker) planned at {copies.throughput:.1f} tokens/s and "
             f"{copies.latency_s * 1e3:.0f} ms a token against the tessera plan's {one_copy.throughput:.1f} and "
-            f"{one_copy.latency_s * 1e3:.0f}: serving request-dist")
+            f"{one_copy.latency_s * 1e3:.0f}{on_burst}: serving request-dist")
         return ServedPolicy("request-dist", copies, context)
     return ServedPolicy(cfg.policy, one_copy, context)
 
 
-def prefer_replicas(one_copy, copies) -> bool:
-    """Whether request-dist's plan ``copies`` is runnable and predicted faster than the one-copy plan, or ties
-    with it (within `REPLICA_TIE_GAIN`) at a lower time per output token."""
-    if not (copies.applicable and copies.feasible):
+def runnable(plan) -> bool:
+    """Whether ``plan`` applies to the cluster and fits its memory."""
+    return bool(plan.applicable and plan.feasible)
+
+
+def burst_throughput(context: PlanContext, plan: DeploymentPlan, cfg: ServeConfig) -> float:
+    """Tokens/s the simulator gives ``plan`` serving a burst that fills every slot at once (``cfg.slots``
+    requests of the planned shape, arriving together) until it drains."""
+    from tessera.sim.requests import simulate
+
+    draws = [(0.0, PLAN_PROMPT, PLAN_OUTPUT)] * cfg.slots
+    return simulate(context, plan, max_context=cfg.max_context, min_prompt=cfg.min_prompt_bucket, draws=draws,
+                    engine_shapes=True).throughput
+
+
+def prefer_replicas(one_copy, copies, burst: tuple[float, float] | None = None) -> bool:
+    """Whether request-dist's plan ``copies`` is served rather than the one-copy plan: it is runnable and
+    predicted faster; or the one-copy plan's lead is a steady state's only (``burst``: the two plans'
+    simulated tokens/s on a burst that fills every slot, one copy's first, and the replicas' is higher: a split
+    leaves a worker idle while its phase has no work, which a plan's queue that never empties does not show);
+    or they tie (within `REPLICA_TIE_GAIN`) and the replicas' time per output token is lower."""
+    if not runnable(copies):
         return False
-    if not (one_copy.applicable and one_copy.feasible) or copies.throughput > one_copy.throughput:
+    if not runnable(one_copy) or copies.throughput > one_copy.throughput:
+        return True
+    if burst is not None and burst[1] > burst[0]:
         return True
     ties = one_copy.throughput <= copies.throughput * (1 + REPLICA_TIE_GAIN)
     return ties and copies.latency_s < one_copy.latency_s
