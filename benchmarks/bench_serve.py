@@ -122,12 +122,6 @@ def main() -> None:
     # replicas have one each), between the plan's throughput and latency step plans as the engine serves them
     served = engine.engines[0].monitor if isinstance(engine, ReplicatedEngine) else engine.monitor
     monitor = served.fresh("latency")  # a serving engine starts on the latency objective
-    for chosen in (plan, plain_plan):
-        add_objective_steps(pctx, chosen, "latency")
-    # the simulator switches objectives as the served engine's monitor does (its settings; request-dist's
-    # replicas each have one), with the latency step plans the engine serves
-    served = engine.engines[0].monitor if hasattr(engine, "engines") else engine.monitor
-    monitor = served.fresh("latency")  # a serving engine starts on the latency objective
     for p in (plan, plain_plan):
         add_objective_steps(pctx, p, "latency")
     ports: list[int] = []

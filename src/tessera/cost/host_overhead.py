@@ -96,17 +96,19 @@ class HostOverhead:
 
     def kernel_s(self, profiled_s: float, weight_bytes: float,
                  reads: list[tuple[tuple[int, ...], float]] | None = None, rows: int | None = None) -> float:
-        """A kernel's seconds inside a step of Tessera's engine, plus the executor's dispatch and the excess of a
-        kernel inside a real step (``in_step_s``): for a GEMM of ``rows`` rows whose 2-D weights all have a
-        measured ``cold_excess``, its profiled (warm) time plus their cold excess at those rows; otherwise its
-        profiled time, or its weights read from memory where that takes longer (:meth:`read_s`)."""
+        """A kernel's seconds inside a step of Tessera's engine, plus the executor's dispatch: for a GEMM of
+        ``rows`` rows whose 2-D weights all have a measured ``cold_excess``, its profiled (warm) time plus their
+        cold excess at those rows; otherwise its profiled time, or its weights read from memory where that takes
+        longer (:meth:`read_s`). A kernel that reads no weight matrix also pays the excess of such a kernel
+        inside a real step (``in_step_s``, measured on exactly those kernels); a weight-reading kernel's time in
+        a step is what the weights' read models."""
         matrices = [shape for shape, _ in reads or () if len(shape) == 2]
         extra = [self.cold_s(shape, rows) for shape in matrices] if rows is not None else []
         if matrices and extra and None not in extra:
             body = profiled_s + sum(extra)
         else:
             body = max(profiled_s, self.read_s(weight_bytes, reads))
-        return body + self.dispatch_s + self.in_step_s
+        return body + self.dispatch_s + (0.0 if matrices else self.in_step_s)
 
     def with_engine_step(self, seconds: float, how: str) -> HostOverhead:
         """The same figures with the engine's per-step work ``seconds`` (measured as ``how``)."""

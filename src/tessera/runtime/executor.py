@@ -227,7 +227,9 @@ class Executor:
         else:
             return None
         names = tuple(w.buffer for w in slots)
-        weights = [self._static_view(_Slot.whole(self.graph.buffers[n])) for n in names]
+        weights = [torch.empty(0, dtype=w.dtype, device=self.device).set_(self._static[w.buffer], 0,
+                                                                            self.graph.buffers[w.buffer].shape)
+                   for w in slots]  # each whole weight, contiguous
         return self.packed.gemm(names, weights)
 
     def _whole_weight(self, arg, transposed: bool = False) -> bool:
@@ -327,14 +329,6 @@ class _Slot:
     @classmethod
     def of(cls, ref: TensorRef) -> _Slot:
         return cls(ref)
-
-    @classmethod
-    def whole(cls, buf) -> _Slot:
-        """The whole buffer ``buf``, contiguous."""
-        strides = [1] * len(buf.shape)
-        for i in range(len(buf.shape) - 2, -1, -1):
-            strides[i] = strides[i + 1] * buf.shape[i + 1]
-        return cls(TensorRef(buf.name, buf.dtype, 0, list(buf.shape), strides))
 
 
 class _Call:
