@@ -8,15 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.capture.build import instantiate
-from tessera.capture.models import resolve_model
-from tessera.capture.phases import StepShape, build_model, step_for
-from tessera.capture.tiny import tiny_config
-from tessera.capture.trace import trace
+from tessera.capture.phases import StepShape
 from tessera.graph.codec import dtype_from_name
 from tessera.program.program import build_programs, single_device_program
 from tessera.runtime import commands as c
 from tessera.runtime.worker import Worker, WorkerConfig
+from tests.runtime.tiny_llm import tiny_llm_graphs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICE = "cuda:0"
@@ -26,18 +23,8 @@ PROMPT, CTX, STEPS = 8, 16, 4
 @pytest.fixture(scope="module")
 def tiny():
     """Tiny llm graphs (prefill, decode, decode at batch 2: three phases) and random weights on the host."""
-    meta, values = instantiate(lambda: build_model("llm", tiny_config("llm")), "meta")
-    spec = resolve_model("smollm2-135m")
-    shapes = {"prefill": StepShape(batch=1, seq=PROMPT, ctx=CTX), "decode": StepShape(batch=1, seq=1, ctx=CTX),
-              "decode@2": StepShape(batch=2, seq=1, ctx=CTX)}
-    graphs = {p: trace(step_for(spec, meta, values, p.split("@")[0], s, device="meta")) for p, s in shapes.items()}
-    gen = torch.Generator().manual_seed(0)
-    weights = {}
-    for g in graphs.values():
-        for n in g.weight_names():
-            b = g.buffers[n]
-            weights.setdefault(n, (torch.randn(b.shape, generator=gen) * 0.2).to(dtype_from_name(b.dtype)))
-    return graphs, weights
+    return tiny_llm_graphs({"prefill": StepShape(batch=1, seq=PROMPT, ctx=CTX),
+                            "decode": StepShape(batch=1, seq=1, ctx=CTX), "decode@2": StepShape(batch=2, seq=1, ctx=CTX)})
 
 
 def _worker(graphs, weights, cuda_graphs: bool, phases=("prefill", "decode")) -> Worker:

@@ -103,28 +103,19 @@ def test_a_worker_holding_several_phases_keeps_one_copy_of_each_weight():
 def test_a_cpu_worker_packs_each_gemm_weight_once_for_every_phase():
     """bf16 GEMMs run on packed weights (`kernels.prepacked`): one packed copy per weight set in the worker,
     however many phases read it; a load of other weights starts afresh."""
-    from tessera.capture.build import instantiate
-    from tessera.capture.models import resolve_model
-    from tessera.capture.phases import StepShape, build_model, step_for
+    from tessera.capture.phases import StepShape
     from tessera.capture.tiny import tiny_config
-    from tessera.capture.trace import trace
     from tessera.kernels.prepacked import packable
     from tessera.program.program import single_device_program
+    from tests.runtime.tiny_llm import tiny_llm_graphs
 
     if not packable(torch.bfloat16, torch.device("cpu")):
         pytest.skip("this CPU's oneDNN has no bf16 GEMM")
-    meta, values = instantiate(lambda: build_model("llm", tiny_config("llm")), "meta")
-    spec = resolve_model("smollm2-135m")
-    shapes = {"prefill": StepShape(batch=1, seq=8, ctx=16, slots=2), "decode": StepShape(batch=1, seq=1, ctx=16, slots=2),
-              "decode@2": StepShape(batch=2, seq=1, ctx=16)}
-    graphs = {p: trace(step_for(spec, meta, values, p.split("@")[0], s, device="meta")) for p, s in shapes.items()}
-    gen = torch.Generator().manual_seed(0)
-    weights = {}
-    for g in graphs.values():
-        for n in g.weight_names():
-            b = g.buffers[n]
-            weights.setdefault(n, (torch.randn(b.shape, generator=gen) * 0.2).to(getattr(torch, b.dtype)))
+    graphs, weights = tiny_llm_graphs({"prefill": StepShape(batch=1, seq=8, ctx=16, slots=2),
+                                       "decode": StepShape(batch=1, seq=1, ctx=16, slots=2),
+                                       "decode@2": StepShape(batch=2, seq=1, ctx=16)})
     assert {w.dtype for w in weights.values()} == {torch.bfloat16}
+    gen = torch.Generator().manual_seed(1)
     worker = Worker(WorkerConfig(0, "127.0.0.1", 0, 1), store=None)
     worker.load(c.Load({p: c.PhaseLoad(g, single_device_program(g), []) for p, g in graphs.items()}, None, weights, 1))
     ids = torch.randint(0, 64, (1, 8), generator=gen)
