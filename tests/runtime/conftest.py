@@ -24,4 +24,3 @@ def smollm2_step():
     state0 = {n: torch.randn(t.shape, generator=torch.Generator().manual_seed(1)).to(t.dtype)
               for n, t in step.state.items()}
     return step, graph, weights, state0
-
