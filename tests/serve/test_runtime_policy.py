@@ -68,7 +68,7 @@ def test_the_default_takes_the_better_planned_of_one_copy_and_replicas():
     assert chosen in ("tessera", "request-dist")
     assert served.plan.policy == chosen and served.context is not None  # the chosen plan, for the start to serve
     line = [s for s in said if s.startswith("request-dist (a replica per worker) planned at")]
-    if chosen == "request-dist":  # the line names both predictions: request-dist's faster, or a tie it wins on TPOT
+    if chosen == "request-dist":  # both predictions: request-dist faster, ahead on the burst, or a tie won on TPOT
         copies, copies_ms, one_copy, one_copy_ms = map(float, re.search(
             r"planned at ([\d.]+) tokens/s and (\d+) ms a token against the tessera plan's ([\d.]+) and (\d+)",
             line[0]).groups())
