@@ -55,7 +55,6 @@ class Switching:
         return bool(scheduler.waiting or scheduler.running or len(scheduler.done) > self.seen)
 
 
-
 def use_mode(engine: Any, mode: EngineMode) -> None:
     """Run ``engine``'s next steps as ``mode`` says."""
     engine.timer, engine.lanes, engine.delays, engine.max_rows = mode.timer, mode.lanes, mode.delays, mode.max_rows
