@@ -188,6 +188,23 @@ def main() -> None:
               f"{f(m['tpot_p50_s'], 1e3, 0)} \\| {f(p['tpot_p50_s'], 1e3, 0)} | "
               f"{f(m['tpot_p99_s'], 1e3, 0)} \\| {f(p['tpot_p99_s'], 1e3, 0)} | "
               f"{m['completed']} \\| {p['completed']} |")
+    # issue 32's bands: throughput within 10%, TTFT p50 and TPOT p50 within 25% (predicted against measured)
+    bands = (("throughput", "tokens/s", 0.10), ("ttft_p50_s", "TTFT p50", 0.25), ("tpot_p50_s", "TPOT p50", 0.25))
+    print("\npredicted against measured, exactly (the bands: tokens/s within 10%, TTFT p50 and TPOT p50 within 25%):")
+    print("| rate (req/s) | " + " | ".join(label for _, label, _ in bands) + " |")
+    print("|---|" + "---|" * len(bands))
+    inside = total = 0
+    for rate, m, p, *_ in rows:
+        cells = []
+        for key, _, band in bands:
+            if not m[key] or p[key] is None:
+                cells.append("-")
+                continue
+            error = p[key] / m[key] - 1
+            inside, total = inside + (abs(error) <= band), total + 1
+            cells.append(f"{error * 100:+.1f}%" + ("" if abs(error) <= band else " (outside)"))
+        print(f"| {rate:g} | " + " | ".join(cells) + " |")
+    print(f"{inside} of {total} figures within their bands")
     overhead = profile.overhead.describe() if profile.overhead else "none"
     print(f"\nhost overhead charged: {overhead}; the same runs predicted as before (measured | predicted | "
           f"predicted without the in-step excess and the contention):")

@@ -8,9 +8,11 @@ bench_serve.py's ``--latency-policy P``), smollm2-135m on cpu:2 at one thread pe
 128, requests drawn as bench_serve.py draws them (Poisson at ``--rate``). Per step kind, averaged over the
 steps of that kind:
 
-- simulated: the step timer's step (``first_s``: the programs alone plus the driver's round trip), its kernel
-  seconds per worker and kernel count per worker, with the kernels' profiled times alone (as before the host
-  overhead was modelled) and with this host's overhead charged (`tessera.cost.host_overhead`; the engine's
+- simulated: the step timer's step (``first_s``: the programs alone plus the driver's round trip; a decode step
+  at its rows' furthest position), its kernel seconds per worker and kernel count per worker, from the profile
+  bench_serve.py simulates with (`runtime.prompt_profile.serving_profile`: every served prompt step and decode
+  row bucket measured), with the kernels' profiled times alone (as before the host overhead was modelled) and
+  with this host's overhead charged (`tessera.cost.host_overhead`, the in-step excess included; the engine's
   per-step work, measured by bench_serve.py on a warm-up, is not charged here);
 - measured: the engine's wall time of the step (inputs built and submitted until its tokens are taken), the
   driver's step time (submitted until every reply is in), each worker's wall seconds and compute seconds
@@ -49,10 +51,12 @@ def main() -> None:
 
     from tessera.plan.planner import plan_policy
     from tessera.runtime.pair_costs import local_pair_costs
-    from tessera.runtime.session import host_profile, runtime_context, runtime_graphs
+    from tessera.runtime.prompt_profile import serving_profile
+    from tessera.runtime.session import planned_decode_position, runtime_context, runtime_graphs
+    from tessera.runtime.step_excess_probe import with_step_excess
     from tessera.serve.config import ServeConfig
     from tessera.serve.engine import GenerationParams
-    from tessera.serve.launch import PLAN_PROMPT, start_engine
+    from tessera.serve.launch import PLAN_OUTPUT, PLAN_PROMPT, start_engine
     from tessera.sim.requests import engines_for
     from tessera.workload import draw_requests, parse_workload
 
@@ -61,7 +65,11 @@ def main() -> None:
     say = lambda s: print(s, file=sys.stderr)  # noqa: E731
     link, feedback_s = local_pair_costs(output_bytes=4 * 49152 * slots // 2)
     base = runtime_graphs(MODEL, PLAN_PROMPT, max_context, slots)
-    profile = host_profile(MODEL, base, 1, say)
+    # the profile bench_serve.py simulates with: every served step measured, decode at the planned position,
+    # a kernel's excess inside a real step charged
+    profile = serving_profile(MODEL, base, 1, slots, max_context, ServeConfig.min_prompt_bucket, say,
+                              planned_decode_position(PLAN_PROMPT, PLAN_OUTPUT, max_context))
+    profile.overhead = with_step_excess(profile.overhead, MODEL, ctx=max_context, slots=slots, log=say)
     pctx = runtime_context(MODEL, 2, PLAN_PROMPT, 64, max_context, slots, 1, profile, say)
     plan = plan_policy(pctx, args.policy, "throughput")
     cfg = ServeConfig(MODEL, "cpu:2", slots=slots, max_context=max_context, policy=args.policy, threads=1,
@@ -80,19 +88,22 @@ def main() -> None:
     start_step, end_step = engine._start_step, engine._end_step
 
     def timed_start(step):
+        # the furthest cache position a decode step's rows read, as the request simulator charges the step
+        position = max(r.context for r in step.requests) - 1 if step.phase == "decode" and step.requests else None
         t0 = time.perf_counter()
         handle, context = start_step(step)
-        starts[id(step)] = (t0, time.perf_counter() - t0)
+        starts[id(step)] = (t0, time.perf_counter() - t0, position)
         return handle, context
 
     def timed_end(step, handle, context):
         t0 = time.perf_counter()
         end_step(step, handle, context)
         t1 = time.perf_counter()
-        began, start_s = starts.pop(id(step), (t0, 0.0))
+        began, start_s, position = starts.pop(id(step), (t0, 0.0, None))
         timings = list(getattr(handle, "timings", []) or [])
         records.append({"phase": step.phase, "rows": step.rows, "seq": step.seq, "ctx": step.ctx,
-                        "requests": len(step.requests), "wall": t1 - began, "engine": start_s + t1 - t0,
+                        "requests": len(step.requests), "wall": t1 - began, "position": position,
+                        "engine": start_s + t1 - t0,
                         "driver": sum(t.seconds for t in timings),
                         "worker": {d: w for t in timings for d, w in zip(t.workers, t.worker_seconds, strict=True)},
                         "compute": {d: c for t in timings for d, c in zip(t.workers, t.compute_s, strict=True)}})
@@ -137,10 +148,10 @@ def main() -> None:
             continue
         sim_first, sim_busy, kernels, plain_first, plain_busy = [], [], [], [], []
         for r in mine:
-            t = timer.time(kind, r["rows"], r["seq"], r["ctx"])
+            t = timer.time(kind, r["rows"], r["seq"], r["ctx"], r["position"])  # as the request simulator times it
             sim_first.append(t.first_s)
             sim_busy.append(dict(zip(devices, t.busy_s, strict=True)))
-            t0 = plain_timer.time(kind, r["rows"], r["seq"], r["ctx"])
+            t0 = plain_timer.time(kind, r["rows"], r["seq"], r["ctx"], r["position"])
             plain_first.append(t0.first_s)
             plain_busy.append(dict(zip(devices, t0.busy_s, strict=True)))
             sp = timer.programs(kind, r["rows"], r["seq"], r["ctx"])

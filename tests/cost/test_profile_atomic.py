@@ -103,6 +103,23 @@ def test_cached_profile_of_another_graph_is_measured_again(tiny_profile, tmp_pat
     assert calls == [1] and "is for graph" in lines[0]
 
 
+def test_cached_profile_of_fewer_timed_calls_than_asked_is_measured_again(tiny_profile, tmp_path):
+    _, prof, graph = tiny_profile
+    path = tmp_path / "p.json"
+    prof.save(path)
+    calls, lines = [], []
+
+    def measure():
+        calls.append(1)
+        return prof
+
+    cached_profile(path, measure, graph.hash, lines.append, repeats=prof.repeats)  # as many: read
+    assert calls == [] and lines == []
+    cached_profile(path, measure, graph.hash, lines.append, repeats=prof.repeats + 1)
+    assert calls == [1] and lines == [f"cached profile {path} timed each kernel {prof.repeats} times, fewer than "
+                                      f"{prof.repeats + 1}; measuring again"]
+
+
 def test_decode_is_profiled_at_a_short_and_the_longest_position_and_cached_apart(tiny_profile, tmp_path,
                                                                                  monkeypatch):
     import tessera.runtime.profiler as profiler

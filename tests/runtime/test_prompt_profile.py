@@ -6,7 +6,12 @@ import pytest
 
 from tessera.cost.profile import Profile
 from tessera.hardware.catalog import HOST_ID
-from tessera.runtime.prompt_profile import PromptProfileError, prompt_step_shapes, with_prompt_kernels
+from tessera.runtime.prompt_profile import (
+    PromptProfileError,
+    decode_step_rows,
+    prompt_step_shapes,
+    with_prompt_kernels,
+)
 from tessera.sched.scheduler import Buckets, Request
 from tessera.serve.engine import serving_scheduler
 
@@ -29,6 +34,22 @@ def test_every_prefill_step_the_serving_scheduler_makes_is_listed():
     assert {(1, 16, 32), (1, 32, 32), (1, 32, 64), (1, 64, 64), (1, 64, 128), (1, 128, 128)} <= shapes
     assert all(rows * seq <= 128 for rows, seq, _ in shapes)  # at most the context's tokens a batched step
     assert (1, 16, 32) in made and (1, 64, 128) in made  # 64 tokens written: the cache of 65 is the 128 bucket
+
+
+def test_every_decode_bucket_below_the_slots_the_serving_scheduler_makes_is_listed():
+    sched = serving_scheduler(8, Buckets.default(8, 128, 16), 128)
+    for i in range(8):  # requests generating 1 .. 8 tokens: 8, 7, ..., 1 rows decoding
+        assert sched.submit(Request(i, 0.0, 4, i + 1))
+    made, now = set(), 0.0
+    while (step := sched.next_step(now)) is not None:
+        if step.phase == "decode":
+            made.add(step.rows)
+        sched.complete(step, now, now + 1.0)
+        now += 1.0
+    assert made - {8} == set(decode_step_rows(8)) == {1, 2, 4}  # the step of every slot: host_profile's own
+    assert decode_step_rows(1) == [] and decode_step_rows(12) == [1, 2, 4, 8]
+    with pytest.raises(PromptProfileError, match="slots must be a whole number >= 1, got 0"):
+        decode_step_rows(0)
 
 
 @pytest.mark.parametrize("args,match", [

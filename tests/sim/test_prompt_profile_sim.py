@@ -9,7 +9,7 @@ import pytest
 from tessera.cost.profile import KernelTiming, Profile, kernel_signature
 from tessera.hardware.catalog import HOST_ID
 from tessera.plan.planner import plan_policy
-from tessera.runtime.prompt_profile import prompt_graphs, with_prompt_kernels
+from tessera.runtime.prompt_profile import decode_graphs, prompt_graphs, with_prompt_kernels
 from tessera.runtime.session import runtime_context
 from tessera.sim.requests import engines_for, simulate
 
@@ -48,6 +48,28 @@ def test_a_prompt_step_is_timed_by_the_prompt_profile_kernel_by_kernel(prompt):
     # without it, the roofline: a different time
     _, _, plain = _timer(Profile(HOST_ID, "test cpu", 1, MODEL, "decode", "", {}, 0, 1, "now", []))
     assert plain.time("prefill", *SHAPE).busy_s[0] != pytest.approx(step.busy_s[0], rel=1e-3)
+
+
+def test_a_decode_step_of_fewer_rows_than_the_slots_is_timed_by_its_bucket_s_profile():
+    bucket = decode_graphs(MODEL, [2], CTX, SLOTS)["decode@2"]
+    times = lambda sig: (1 + int(sig[:4], 16) % 7) * 2.0**-12  # noqa: E731 - exactly representable times
+    merged = with_prompt_kernels(_profile(bucket, lambda sig: 1.0), [_profile(bucket, times)])
+    ctx, _, timer = _timer(merged)
+    graph = ctx.graph(timer.phase_spec("decode", 2, None, CTX), timer.micro_batches("decode", 2))
+    charged = timer.kernel_times("decode", 2, None, CTX)[:, 0]
+    held = {kernel_signature(k) for k in bucket.kernels}
+    measured = [k for k in graph.kernels if kernel_signature(k) in held]
+    # the simulator's graph of the bucket holds a cache of its own rows, the engine's one of every slot: only the
+    # kernels over the cache differ
+    assert {k.op for k in graph.kernels if kernel_signature(k) not in held} == {
+        "tessera.kv_write.default", "tessera.decode_attention.default"}
+    assert {k.op for k in measured} >= {"aten.mm.default", "tessera.merged_linear.default"}
+    for k in measured:
+        assert charged[k.index] == times(kernel_signature(k))
+    # without it, every kernel by the roofline
+    _, _, plain = _timer(Profile(HOST_ID, "test cpu", 1, MODEL, "decode", "", {}, 0, 1, "now", []))
+    plain_charged = plain.kernel_times("decode", 2, None, CTX)[:, 0]
+    assert all(plain_charged[k.index] != times(kernel_signature(k)) for k in measured)
 
 
 def test_a_lone_request_s_ttft_holds_its_prefill_step_once(prompt):

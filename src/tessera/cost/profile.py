@@ -174,11 +174,12 @@ class Profile:
 
 
 def cached_profile(path: Path, measure: Callable[[], Profile], graph_hash: str | None = None,
-                   log: Callable[[str], None] = lambda s: None) -> Profile:
+                   log: Callable[[str], None] = lambda s: None, repeats: int | None = None) -> Profile:
     """The profile cached at ``path``, else ``measure()``'d and cached there.
 
-    A cached file that cannot be read as a profile (truncated, damaged, another version) or that was measured
-    for another graph than ``graph_hash`` is measured again and replaced, with a line to ``log`` saying why.
+    A cached file that cannot be read as a profile (truncated, damaged, another version), that was measured
+    for another graph than ``graph_hash`` or with fewer timed calls per kernel than ``repeats`` is measured again
+    and replaced, with a line to ``log`` saying why.
     """
     if path.is_file():
         try:
@@ -186,9 +187,14 @@ def cached_profile(path: Path, measure: Callable[[], Profile], graph_hash: str |
         except ProfileFormatError as e:
             log(f"cached profile unusable: {e}; measuring again")
         else:
-            if graph_hash is None or prof.graph_hash == graph_hash:
+            if graph_hash is not None and prof.graph_hash != graph_hash:
+                log(f"cached profile {path} is for graph {prof.graph_hash[:16]}, not {graph_hash[:16]}; measuring "
+                    "again")
+            elif repeats is not None and prof.repeats < repeats:
+                log(f"cached profile {path} timed each kernel {prof.repeats} times, fewer than {repeats}; measuring "
+                    "again")
+            else:
                 return prof
-            log(f"cached profile {path} is for graph {prof.graph_hash[:16]}, not {graph_hash[:16]}; measuring again")
     prof = measure()
     prof.save(path)
     return prof

@@ -19,7 +19,10 @@ from tessera.runtime.target_map import plan_target_map, target_map
 
 CTX_BUCKET = 64  # the KV cache is sized to prompt + new tokens rounded up to this
 TEXT_FAMILIES = ("llm", "moe", "ssm")
-PROFILE_WARMUP, PROFILE_REPEATS = 1, 3
+# calls per kernel of a host profile: untimed, then timed (the median stands). One and three left a one-row
+# decode step's profile 5-17% high, run to run (smollm2-135m: 15.5-17.2 ms against 14.7-15.3 at three and ten,
+# 14.4 at five and twenty), about what a TPOT prediction may miss; three and ten cost 0.15 s more on that step.
+PROFILE_WARMUP, PROFILE_REPEATS = 3, 10
 
 
 def cache_context(prompt_tokens: int, max_tokens: int) -> int:
@@ -170,7 +173,7 @@ def graph_profile(model: str, phase: str, name: str, graph: KernelGraph, threads
                              threads=threads, warmup=PROFILE_WARMUP, repeats=PROFILE_REPEATS, slots=m.get("slots"),
                              position=position)[0]
 
-    return cached_profile(path, measure, graph.hash, log)
+    return cached_profile(path, measure, graph.hash, log, PROFILE_REPEATS)
 
 
 def _positioned(graph: KernelGraph, profiles: list, span: tuple[int, ...], position: int):
