@@ -129,5 +129,38 @@ def test_a_cpu_worker_packs_each_gemm_weight_once_for_every_phase():
     assert all(worker.phases[p][3].packed is worker.packed for p in graphs)
     first = worker.packed
     worker.load(c.Load({"decode": c.PhaseLoad(graphs["decode"], single_device_program(graphs["decode"]), [])},
-                       None, {n: w.clone() for n, w in weights.items()}, 1))
-    assert worker.packed is not first and len(worker.packed) == 0  # other weights: nothing packed from the old
+                       None, {n: w.clone() * 2 for n, w in weights.items()}, 1))
+    # other weights: packed afresh (by the load's warm pass), nothing kept from the old
+    assert worker.packed is not first and len(worker.packed) == 4 * layers + 1
+    assert not {id(t) for t in worker.packed._packed.values()} & {id(t) for t in first._packed.values()}
+
+
+def test_a_cpu_worker_runs_every_phase_once_at_load_and_leaves_its_state_zero(monkeypatch):
+    """The load's warm pass (`Worker._warm`): every kernel of every phase bound before the first step, the
+    state still zero after it; a phase whose pass fails is named and runs cold, and the load succeeds."""
+    from tessera.capture.phases import StepShape
+    from tessera.program.program import single_device_program
+    from tessera.runtime.executor import Executor
+    from tests.runtime.tiny_llm import tiny_llm_graphs
+
+    graphs, weights = tiny_llm_graphs({"prefill": StepShape(batch=1, seq=8, ctx=16, slots=2),
+                                       "decode": StepShape(batch=2, seq=1, ctx=16)})
+    load = c.Load({p: c.PhaseLoad(g, single_device_program(g), []) for p, g in graphs.items()}, None, weights, 1)
+    worker = Worker(WorkerConfig(0, "127.0.0.1", 0, 1), store=None)
+    worker.load(load)
+    assert worker.warm_errors == {}
+    for _, program, _, ex, _, _ in worker.phases.values():
+        assert set(ex._calls) == {i.kernel for i in program.instructions if i.kind == "run"} != set()
+    assert worker.state and all(not t.any() for instance in worker.state for t in instance.values())
+
+    def broken(self, index):
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(Executor, "run_kernel", broken)
+    cold = Worker(WorkerConfig(0, "127.0.0.1", 0, 1), store=None)
+    cold.load(load)
+    assert cold.warm_errors == {p: "RuntimeError: no kernel today" for p in graphs}
+    monkeypatch.undo()
+    inputs = {"input_ids": torch.full((2, 1), 5), "positions": torch.full((2,), 3), "slots": torch.arange(2)}
+    ran = [w.step(c.Step("decode", [inputs], [0])).outputs for w in (worker, cold)]
+    assert all(torch.equal(a, b) for a, b in zip(ran[0][0].values(), ran[1][0].values(), strict=True))

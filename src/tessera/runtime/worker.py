@@ -156,6 +156,7 @@ class Worker:
         self.weights: dict[str, torch.Tensor] = {}
         self.source: tuple | None = None  # the weight files (and their mtimes) self.weights came from
         self.packed = PackedWeights()  # the CPU GEMMs' packed copies of self.weights, shared by every phase
+        self.warm_errors: dict[str, str] = {}  # phases whose warm pass at load failed (they run cold), and why
         self.phases: dict[str, tuple[KernelGraph, Program, list[Transfer], Any, list, list]] = {}
         self.state: list[dict[str, torch.Tensor]] = []  # per micro-batch
         self.timeout = timedelta(seconds=cfg.transfer_timeout_s)
@@ -252,11 +253,15 @@ class Worker:
         self.state = [{s: torch.zeros(shape, dtype=dtype_from_name(dt), device=self.device)
                        for s, (dt, shape) in shapes.items()} for _ in range(cmd.state_instances)]
         self.graphs = {}
+        self.warm_errors = {}
         if self.device.type == "cuda" and self.cfg.cuda_graphs:
             self.graphs = {name: self._capture(name) for name in self.phases}
-            for instance in self.state:  # warm-up and capture ran on dummy inputs
-                for t in instance.values():
-                    t.zero_()
+        elif self.device.type == "cpu":
+            for name in self.phases:
+                self._warm(name)
+        for instance in self.state:  # warm-up and capture ran on dummy inputs
+            for t in instance.values():
+                t.zero_()
         return Loaded(len(self.weights), sum(t.nbytes for t in self.weights.values()), len(shapes))
 
     def set_state(self, cmd: SetState) -> Done:
@@ -403,6 +408,41 @@ class Worker:
             out.wait()
             sends.append(self.pg.send([out.flat], t.dst, base + t.tag))
 
+    def _dummy_pass(self, name: str, by_microbatch: list[list[tuple]],
+                    on_graph: Callable[[Any, Any], None] | None = None) -> None:
+        """Run phase ``name``'s opcodes (``by_microbatch[m]``) once per micro-batch m on state instance m with zero
+        inputs, every receive read as zeros and nothing sent (``on_graph(segment, executor)`` for a CUDA graph
+        segment); the caller zeroes the state afterwards."""
+        graph, program, transfers, ex, _, _ = self.phases[name]
+        torch.set_grad_enabled(False)
+        for m in range(min(program.micro_batches, len(self.state))):
+            dummy = {n: torch.zeros(graph.buffers[n].shape, dtype=dtype_from_name(graph.buffers[n].dtype))
+                     for n in program.inputs}
+            ex.prepare_microbatch(m, dummy, self.state[m], program.inputs, program.state)
+            for code, arg, _ in by_microbatch[m]:
+                if code == _GRAPH:
+                    on_graph(arg, ex)
+                elif code == _RUN:
+                    ex.run_kernel(arg)
+                elif code == _FREE:
+                    ex.free(arg)
+                elif code == _RECV:  # the bytes a step receives here: zeros
+                    pieces = transfers[arg].pieces
+                    unpack(ex.storages, pieces, torch.zeros(sum(p.nbytes for p in pieces), dtype=torch.uint8),
+                           self.device, graph)
+            ex.release(m)
+
+    def _warm(self, name: str) -> None:
+        """Run phase ``name`` once on dummy inputs at load (a CPU worker), so that its first served step does not
+        pay what a first step pays once: each kernel's call bound, buffers allocated, packed weights made
+        (10-30 ms a phase, 200 ms for the first; serve has a phase per bucket and objective). A phase whose pass
+        fails is left cold (its first step pays them) and named in ``warm_errors``."""
+        try:
+            self._dummy_pass(name, self.phases[name][5])
+        except Exception as e:  # noqa: BLE001 - a step on real inputs still runs, and says what fails
+            self.warm_errors[name] = f"{type(e).__name__}: {e}"
+            self.phases[name][3].release()
+
     def _capture(self, name: str) -> PhaseGraphs:
         """Phase ``name``'s program cut into segments, each captured into a CUDA graph per micro-batch (on
         state instance m) after warm-up on dummy inputs; the state is zeroed by the caller afterwards."""
@@ -412,28 +452,16 @@ class Worker:
         segments = [SegmentGraph(graph, program, s, pools) for s in plan.segments]
         phase = PhaseGraphs(_graph_opcodes(opcodes, segments), [], segments, plan.eager)
         phase.by_microbatch = [[op for op in phase.opcodes if op[2] == m] for m in range(program.micro_batches)]
-        torch.set_grad_enabled(False)
+
+        def capture(segment, ex) -> None:
+            captured = segment.capture(ex)
+            if captured is not None:
+                segment.replay(ex, captured)
+            else:
+                segment.eager(ex)
+
         try:
-            for m in range(min(program.micro_batches, len(self.state))):
-                dummy = {n: torch.zeros(graph.buffers[n].shape, dtype=dtype_from_name(graph.buffers[n].dtype))
-                         for n in program.inputs}
-                ex.prepare_microbatch(m, dummy, self.state[m], program.inputs, program.state)
-                for code, arg, _ in phase.by_microbatch[m]:
-                    if code == _GRAPH:
-                        captured = arg.capture(ex)
-                        if captured is not None:
-                            arg.replay(ex, captured)
-                        else:
-                            arg.eager(ex)
-                    elif code == _RUN:
-                        ex.run_kernel(arg)
-                    elif code == _FREE:
-                        ex.free(arg)
-                    elif code == _RECV:  # the bytes a step receives here: zeros
-                        pieces = transfers[arg].pieces
-                        unpack(ex.storages, pieces, torch.zeros(sum(p.nbytes for p in pieces), dtype=torch.uint8),
-                               self.device, graph)
-                ex.release(m)
+            self._dummy_pass(name, phase.by_microbatch, capture)
             torch.cuda.synchronize(self.device)
         except Exception as e:  # noqa: BLE001 - the phase then captures lazily, in its first steps
             phase.load_error = f"{type(e).__name__}: {e}"
