@@ -34,6 +34,11 @@ def test_a_one_copy_lead_in_steady_state_only_gives_way_to_replicas():
     assert prefer_replicas(one_copy, copies, burst=(231.6, 290.2))
     assert not prefer_replicas(one_copy, copies, burst=(300.0, 290.2))  # ahead on the burst too: one copy
     assert not prefer_replicas(one_copy, copies)  # no burst simulated: the planned lead stands
+    # a burst the replicas lead by less than the tie margin is a tie: the steady state decides (smollm2-135m at 4
+    # slots: 78.6 tokens/s on a burst for both, one copy planned at 88.1 against 78.6)
+    edge = 290.2 * (1 + REPLICA_TIE_GAIN)
+    assert not prefer_replicas(one_copy, copies, burst=(290.2, edge))
+    assert prefer_replicas(one_copy, copies, burst=(290.2, edge + 0.1))
 
 
 def test_a_tie_in_throughput_goes_to_the_lower_time_per_token():
@@ -73,7 +78,7 @@ def test_the_default_takes_the_better_planned_of_one_copy_and_replicas():
             r"planned at ([\d.]+) tokens/s and (\d+) ms a token against the tessera plan's ([\d.]+) and (\d+)",
             line[0]).groups())
         burst = re.search(r"on a burst of 4 requests ([\d.]+) against ([\d.]+)", line[0])
-        assert (copies > one_copy or (burst and float(burst[1]) > float(burst[2]))
+        assert (copies > one_copy or (burst and float(burst[1]) > float(burst[2]) * (1 + REPLICA_TIE_GAIN))
                 or (copies * (1 + REPLICA_TIE_GAIN) >= one_copy and copies_ms <= one_copy_ms))
     else:
         assert line == []

@@ -159,14 +159,15 @@ def burst_throughput(context: PlanContext, plan: DeploymentPlan, cfg: ServeConfi
 def prefer_replicas(one_copy, copies, burst: tuple[float, float] | None = None) -> bool:
     """Whether request-dist's plan ``copies`` is served rather than the one-copy plan: it is runnable and
     predicted faster; or the one-copy plan's lead is a steady state's only (``burst``: the two plans'
-    simulated tokens/s on a burst that fills every slot, one copy's first, and the replicas' is higher: a split
-    leaves a worker idle while its phase has no work, which a plan's queue that never empties does not show);
-    or they tie (within `REPLICA_TIE_GAIN`) and the replicas' time per output token is lower."""
+    simulated tokens/s on a burst that fills every slot, one copy's first, and the replicas' is higher by more
+    than `REPLICA_TIE_GAIN`: a split leaves a worker idle while its phase has no work, which a plan's queue that
+    never empties does not show; within it, the burst ties and the steady state decides); or they tie (within
+    `REPLICA_TIE_GAIN`) and the replicas' time per output token is lower."""
     if not runnable(copies):
         return False
     if not runnable(one_copy) or copies.throughput > one_copy.throughput:
         return True
-    if burst is not None and burst[1] > burst[0]:
+    if burst is not None and burst[1] > burst[0] * (1 + REPLICA_TIE_GAIN):
         return True
     ties = one_copy.throughput <= copies.throughput * (1 + REPLICA_TIE_GAIN)
     return ties and copies.latency_s < one_copy.latency_s
