@@ -57,6 +57,11 @@ def main() -> None:
     print(f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
           f"{time.strftime('%Y-%m-%d %H:%M')}; {MODEL} {'--local' if args.local else args.cluster}, "
           f"{cfg.slots} slots, context {cfg.max_context}, threads {args.threads or 'default'}: {how}")
+    lanes = getattr(engine, "lanes", None)
+    if lanes is None:
+        engine.stop()  # its workers would outlive this process
+        raise SystemExit("profile_serve.py profiles one engine (its lanes); request-dist replicas are engines of "
+                         "their own: bench them with tessera bench")
     for name in sorted(engine.placements.placements):
         if name.split(":")[0] in ("prefill@64", "decode@8") or name.startswith(("prefill@8x64", "decode@32")):
             where = engine.placements.placements[name]
@@ -65,11 +70,6 @@ def main() -> None:
     steps: list[tuple] = []  # phase, requests, tokens, wall, backend seconds, busy seconds by device, rows, seq
     profiler = cProfile.Profile()
     profiling = threading.Event()
-    lanes = getattr(engine, "lanes", None)
-    if lanes is None:
-        engine.stop()  # its workers would outlive this process
-        raise SystemExit("profile_serve.py profiles one engine (its lanes); request-dist replicas are engines of "
-                         "their own: bench them with tessera bench")
     start_step, end_step, backend_run = lanes.start, lanes.finish, engine.backend.run
     started: dict[int, tuple[float, dict, float]] = {}  # id(step) -> start time, busy then, backend seconds
 
