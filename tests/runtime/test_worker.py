@@ -164,3 +164,37 @@ def test_a_cpu_worker_runs_every_phase_once_at_load_and_leaves_its_state_zero(mo
     inputs = {"input_ids": torch.full((2, 1), 5), "positions": torch.full((2,), 3), "slots": torch.arange(2)}
     ran = [w.step(c.Step("decode", [inputs], [0])).outputs for w in (worker, cold)]
     assert all(torch.equal(a, b) for a, b in zip(ran[0][0].values(), ran[1][0].values(), strict=True))
+
+
+def test_the_local_engine_runs_every_phase_once_when_warmed_and_leaves_its_state_zero(monkeypatch):
+    """`ReplayRunner.warm` (serve --local's start): every kernel of every phase bound, the state zero after it,
+    the same outputs as a runner never warmed; a phase whose pass fails is named and runs cold."""
+    from tessera.capture.phases import StepShape
+    from tessera.runtime.executor import Executor
+    from tessera.runtime.generate import ReplayRunner
+    from tessera.runtime.probe import zero_state
+    from tests.runtime.tiny_llm import tiny_llm_graphs
+
+    graphs, weights = tiny_llm_graphs({"prefill": StepShape(batch=1, seq=8, ctx=16, slots=2),
+                                       "decode": StepShape(batch=2, seq=1, ctx=16)})
+
+    def runner() -> ReplayRunner:
+        state = {}
+        for g in graphs.values():
+            state.update(zero_state(g, [n for n in g.state if n not in state]))
+        return ReplayRunner(graphs, weights, state)
+
+    warm, cold = runner(), runner()
+    assert warm.warm() == {}
+    for ex in warm.executors.values():
+        assert set(ex._calls) == {i.kernel for i in ex.program.instructions if i.kind == "run"} != set()
+    assert all(not t.any() for t in warm.state.values())
+    inputs = {"input_ids": torch.full((2, 1), 5), "positions": torch.full((2,), 3), "slots": torch.arange(2)}
+    ran = [r("decode", inputs) for r in (warm, cold)]
+    assert all(torch.equal(ran[0][n], ran[1][n]) for n in ran[0])
+
+    def broken(self, index):
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(Executor, "run_kernel", broken)
+    assert runner().warm() == {p: "RuntimeError: no kernel today" for p in graphs}

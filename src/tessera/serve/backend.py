@@ -229,6 +229,7 @@ class LocalBackend(SyncSteps):
         for g in graphs.values():
             state.update(zero_state(g, [n for n in g.state if n not in state]))
         self.runner = ReplayRunner(graphs, weights, state, batch_invariant=batch_invariant)
+        self.warm_errors = self.runner.warm()  # phases left cold, and why
         self._busy = 0.0
 
     def run(self, phase: str, inputs: dict[str, torch.Tensor], owners: tuple[str, ...] = ()
