@@ -9,7 +9,8 @@ steps by the roofline).
 The server runs smollm2-135m (real weights) on cpu:2 (one thread per worker) with serve's defaults (32 slots,
 a context of 512, the policy `runtime_policy` chooses). The simulator serves the requests the server really
 saw (greedy outputs may stop early at EOS), with the driver's round trip measured on a pool of its own and
-the engine's work per step measured on a warm-up, as `bench_serve.py` does.
+the engine's work per step measured on a warm-up, and every served step's kernels profiled
+(`runtime.prompt_profile.serving_profile`), as `bench_serve.py` does.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ def main() -> None:
     from bench_serve import _start_server  # uvicorn on a free port, in a thread
     from tessera.plan.objective_steps import add_objective_steps
     from tessera.plan.planner import plan_policy
+    from tessera.runtime.contention_probe import host_contention
     from tessera.runtime.pair_costs import local_pair_costs
-    from tessera.runtime.session import host_profile, planned_decode_position, runtime_context, runtime_graphs
+    from tessera.runtime.prompt_profile import serving_profile
+    from tessera.runtime.session import planned_decode_position, runtime_context, runtime_graphs
+    from tessera.runtime.step_excess_probe import with_step_excess
     from tessera.serve.bench import run_bench
     from tessera.serve.config import ServeConfig
     from tessera.serve.engine_probe import StepWork
@@ -46,7 +50,13 @@ def main() -> None:
     _, feedback_s = local_pair_costs(output_bytes=4 * 49152 * cfg.slots // 2)
     served = runtime_policy(cfg, 2, 1, say)
     base = runtime_graphs(MODEL, PLAN_PROMPT, cfg.max_context, cfg.slots)
-    profile = host_profile(MODEL, base, 1, say, planned_decode_position(PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context))
+    # every served prompt step and decode row bucket measured (as bench_serve.py simulates; the first run profiles
+    # serve's 35 prompt buckets of 32 slots and a context of 512: minutes, cached)
+    profile = serving_profile(MODEL, base, 1, cfg.slots, cfg.max_context, cfg.min_prompt_bucket, say,
+                              planned_decode_position(PLAN_PROMPT, PLAN_OUTPUT, cfg.max_context))
+    # and, as bench_serve.py charges them, the two workers' contention and a kernel's excess inside a real step
+    profile.contention = host_contention(MODEL, 1, log=say)
+    profile.overhead = with_step_excess(profile.overhead, MODEL, ctx=cfg.max_context, slots=cfg.slots, log=say)
     engine, how = start_engine(cfg, say)
     say(f"serving {MODEL} on cpu:2: {how}")
     ports: list[int] = []
