@@ -1,6 +1,6 @@
 """`tessera serve`'s default deployment measured by `tessera bench`, beside the simulator's prediction with its
-engines switching objectives as the served engines' monitors do (starting each workload on the objective the
-first engine is on), with decode attention charged at each step's furthest cache position and no monitor, and
+engines switching objectives as the served engines' monitors do (each replica starting each workload on the
+objective its served replica is on), with decode attention charged at each step's furthest cache position and no monitor, and
 with the charge before it was (attention at the planned mean position in the profiled step only, other rows'
 steps by the roofline).
 
@@ -73,11 +73,13 @@ def main() -> None:
                 for name, p in (("position", profile), ("before", before))}
     plans = {name: plan_policy(c, served.policy, "throughput") for name, c in contexts.items()}
     add_objective_steps(contexts["position"], plans["position"], "latency")
-    first = engine.engines[0] if isinstance(engine, ReplicatedEngine) else engine
+    served_engines = engine.engines if isinstance(engine, ReplicatedEngine) else [engine]
     rows = []
     for wl in args.workloads.split(";"):
         say(f"bench {wl}")
-        objective_at_start = first.monitor.objective  # left from the workload before (idle windows keep it)
+        # each replica's objective, left from the workload before (idle windows keep it): the simulated replicas
+        # start on them, each on its own
+        at_start = [e.monitor.objective for e in served_engines]
         report = run_bench(url, wl, MODEL, seed=0)
         measured = report.summary()
         draws = [(o.planned.arrival_s, o.prompt_tokens or o.planned.input, max(1, o.output_tokens))
@@ -87,8 +89,8 @@ def main() -> None:
         predicted["monitor"] = simulate(
             contexts["position"], plans["position"], max_context=cfg.max_context, feedback_s=feedback_s,
             min_prompt=cfg.min_prompt_bucket, draws=draws, latency_rows=cfg.latency_rows,
-            monitor=first.monitor.fresh(objective_at_start)).summary()
-        rows.append((wl, measured, predicted["monitor"], predicted["position"], predicted["before"]))
+            monitor=[e.monitor.fresh(o) for e, o in zip(served_engines, at_start, strict=True)]).summary()
+        rows.append((wl, measured, predicted["monitor"], predicted["position"], predicted["before"], at_start))
     server.should_exit = True
     engine.stop()
 
@@ -97,15 +99,21 @@ def main() -> None:
 
     print(f"{MODEL} on cpu:2, serve's defaults ({served.policy}, {cfg.slots} slots, context {cfg.max_context}, 1 thread "
           f"per worker); measured by tessera bench | predicted with the monitor | by position without it | before")
-    print("| workload | tokens/s | TTFT p50 (s) | TPOT p50 (ms) | TPOT p99 (ms) | switches predicted |")
-    print("|---|---|---|---|---|---|")
+    print("| workload | tokens/s | TTFT p50 (s) | TPOT p50 (ms) | TPOT p99 (ms) | switches predicted | objectives at "
+          "start |")
+    print("|---|---|---|---|---|---|---|")
 
     def cells(runs: tuple, key: str, scale: float = 1.0, digits: int = 2) -> str:
         return " \\| ".join(f(x[key], scale, digits) for x in runs)
 
-    for wl, *runs in rows:
+    for wl, *runs, at_start in rows:
         print(f"| {wl} | {cells(runs, 'throughput', digits=1)} | {cells(runs, 'ttft_p50_s')} | "
-              f"{cells(runs, 'tpot_p50_s', 1e3, 0)} | {cells(runs, 'tpot_p99_s', 1e3, 0)} | {runs[1]['switches']} |")
+              f"{cells(runs, 'tpot_p50_s', 1e3, 0)} | {cells(runs, 'tpot_p99_s', 1e3, 0)} | {runs[1]['switches']} | "
+              f"{', '.join(at_start)} |")
+    print("\npredicted with the monitor against measured (tokens/s, TTFT p50, TPOT p50):")
+    for wl, m, p, *_ in rows:
+        print(f"  {wl}: " + ", ".join(f"{(p[k] / m[k] - 1) * 100:+.1f}%" if m[k] and p[k] is not None else "-"
+                                      for k in ("throughput", "ttft_p50_s", "tpot_p50_s")))
 
 
 if __name__ == "__main__":

@@ -159,3 +159,20 @@ def test_every_engine_switches_with_a_monitor_of_its_own():
     for e in engines:  # each starts on the objective of the monitor given: throughput, every slot
         assert e.switching.monitor is not used and e.switching.monitor.objective == "throughput"
         assert e.max_rows == e.scheduler.slots and e.switching.modes["latency"].max_rows == 2
+
+
+def test_replicas_start_each_on_its_own_monitor_s_objective():
+    """One monitor per engine: request-dist's replicas left on different objectives by a served run start there
+    (a replica on latency holds `latency_rows` requests in flight, one on throughput every slot)."""
+    ctx = _context("fixed:in=64,out=16,requests=16")
+    plan = plan_policy(ctx, "request-dist", "throughput")
+    assert len(engines_for(ctx, plan)) == 2
+    mixed = engines_for(ctx, plan, monitor=[Monitor(objective="latency"), Monitor(objective="throughput")],
+                        latency_rows=2)
+    assert [e.switching.monitor.objective for e in mixed] == ["latency", "throughput"]
+    assert mixed[0].max_rows == 2 and mixed[1].max_rows > 2
+    same = engines_for(ctx, plan, monitor=Monitor(objective="latency"), latency_rows=2)
+    assert [e.switching.monitor.objective for e in same] == ["latency", "latency"]
+    assert same[0].switching.monitor is not same[1].switching.monitor  # a copy each
+    with pytest.raises(SimulationSetupError, match="3 monitors for the 2 engines of the request-dist plan"):
+        engines_for(ctx, plan, monitor=[Monitor()] * 3)

@@ -18,6 +18,7 @@ work for its speed.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,15 +141,21 @@ def _timer(ctx: PlanContext, steps: list[StepPlan], targets: list[Target], feedb
 
 def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throughput",
                 max_context: int | None = DEFAULT_MAX_CONTEXT, feedback_s: float = 0.0, min_prompt: int = 128,
-                link: Link | None = None, engine_shapes: bool = False, monitor: Monitor | None = None,
-                latency_rows: int | None = None) -> list[Engine]:
+                link: Link | None = None, engine_shapes: bool = False,
+                monitor: Monitor | Sequence[Monitor] | None = None, latency_rows: int | None = None) -> list[Engine]:
     """The replicas that serve ``plan``, each with its scheduler (prompt buckets from ``min_prompt`` tokens)
     and step timer (``link``: every pair of targets talks over this link instead of the cluster's).
     ``engine_shapes``: steps run at their own rows, prompt and context (16-token granules), as a serving
     engine runs them, instead of padded to the static power-of-two buckets Tessera's own server uses.
     ``monitor``: each engine switches between the plan's throughput and latency step plans as this monitor's
     settings say (a copy each, starting at its objective; `tessera.sim.objectives`), the latency plans holding
-    at most ``latency_rows`` requests; without it every engine runs ``objective``'s step plans."""
+    at most ``latency_rows`` requests; one monitor per engine, in the plan's order, starts each engine on its own
+    monitor's objective (replicas a served deployment left on different objectives); without it every engine runs
+    ``objective``'s step plans.
+
+    Raises:
+        SimulationSetupError: the plan does not apply or fit; monitors given for routes that are one engine, or
+            not one per engine."""
     if not plan.applicable:
         raise SimulationSetupError(f"{plan.policy} does not apply to {plan.model}: {plan.reason}")
     if not plan.feasible:
@@ -162,6 +169,11 @@ def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throug
     shared = any(p.kind == "route" for p in parts)  # a route mix: engines of their own placements sharing devices
     min_prompt = _min_prompt(ctx, min_prompt)
     engines = []
+    count = sum(p.replicas for p in parts)
+    monitors = [monitor] * count if monitor is None or isinstance(monitor, Monitor) else list(monitor)
+    if len(monitors) != count:
+        raise SimulationSetupError(f"{len(monitors)} monitors for the {count} engines of the {plan.policy} plan: give "
+                                   "one, or one per engine")
     for part in parts:
         name = part.device if part.kind == "replica" else part.name if part.kind == "route" else plan.policy
         types = None if part.kind == "route" or part.device is None else [part.device]
@@ -177,8 +189,9 @@ def engines_for(ctx: PlanContext, plan: DeploymentPlan, objective: str = "throug
                             _lanes(part.steps, targets if shared else None), part.throughput / part.replicas,
                             _delays(part.state_moves, part.steps), engine_shapes=engine_shapes,
                             min_prompt=min_prompt)
-            if monitor is not None:
-                engine.switching = _switching(ctx, plan, part, targets if shared else None, targets, monitor,
+            mine = monitors[len(engines)]
+            if mine is not None:
+                engine.switching = _switching(ctx, plan, part, targets if shared else None, targets, mine,
                                               slots, latency_rows, feedback_s, link)
                 use_mode(engine, engine.switching.mode)
             engines.append(engine)
@@ -452,7 +465,7 @@ def simulate(ctx: PlanContext, plan: DeploymentPlan, seed: int = 0, objective: s
              max_context: int | None = DEFAULT_MAX_CONTEXT, feedback_s: float = 0.0, progress=None,
              workload: Workload | None = None, min_prompt: int = 128, link: Link | None = None,
              draws: list[tuple[float, int, int]] | None = None, engine_shapes: bool = False,
-             monitor: Monitor | None = None, latency_rows: int | None = None) -> SimResult:
+             monitor: Monitor | Sequence[Monitor] | None = None, latency_rows: int | None = None) -> SimResult:
     """Serve ``workload`` (default: ``ctx``'s; or explicit ``draws`` of (arrival, input, output)) with ``plan``:
     every arrival completes or is rejected. ``progress(done, total)`` is called as requests finish.
     ``engine_shapes``: steps at their own shapes as a serving engine runs them; ``monitor``, ``latency_rows``:
