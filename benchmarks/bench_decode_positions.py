@@ -80,7 +80,11 @@ def main() -> None:
         # each replica's objective, left from the workload before (idle windows keep it): the simulated replicas
         # start on them, each on its own
         at_start = [e.monitor.objective for e in served_engines]
+        t0 = served_engines[0].clock()
         report = run_bench(url, wl, MODEL, seed=0)
+        for i, e in enumerate(served_engines):  # when each served engine switched, from the workload's start
+            say(f"engine {i} switches: " + (", ".join(f"{s.at_s - t0:+.2f} s {s.before} -> {s.after} ({s.ratio:.2f})"
+                                                       for s in e.monitor.switches if s.at_s >= t0 - 2.0) or "none"))
         measured = report.summary()
         draws = [(o.planned.arrival_s, o.prompt_tokens or o.planned.input, max(1, o.output_tokens))
                  for o in report.outcomes if o.ok]
