@@ -87,7 +87,8 @@ def test_damaged_cached_profile_is_measured_again(tiny_profile, tmp_path, monkey
     assert lines == []  # now read from the cache
 
 
-def test_cached_profile_of_another_graph_is_measured_again(tiny_profile, tmp_path):
+def _cached(tiny_profile, tmp_path):
+    """A saved tiny profile and ``cached_profile`` over it, counting measurements and logging lines."""
     _, prof, graph = tiny_profile
     path = tmp_path / "p.json"
     prof.save(path)
@@ -97,25 +98,25 @@ def test_cached_profile_of_another_graph_is_measured_again(tiny_profile, tmp_pat
         calls.append(1)
         return prof
 
-    assert cached_profile(path, measure, graph.hash, lines.append) is not prof  # read, not measured
+    def cached(graph_hash: str = graph.hash, repeats: int | None = None):
+        return cached_profile(path, measure, graph_hash, lines.append, repeats)
+
+    return prof, path, cached, calls, lines
+
+
+def test_cached_profile_of_another_graph_is_measured_again(tiny_profile, tmp_path):
+    prof, _, cached, calls, lines = _cached(tiny_profile, tmp_path)
+    assert cached() is not prof  # read, not measured
     assert calls == [] and lines == []
-    cached_profile(path, measure, "0" * 64, lines.append)
+    cached("0" * 64)
     assert calls == [1] and "is for graph" in lines[0]
 
 
 def test_cached_profile_of_fewer_timed_calls_than_asked_is_measured_again(tiny_profile, tmp_path):
-    _, prof, graph = tiny_profile
-    path = tmp_path / "p.json"
-    prof.save(path)
-    calls, lines = [], []
-
-    def measure():
-        calls.append(1)
-        return prof
-
-    cached_profile(path, measure, graph.hash, lines.append, repeats=prof.repeats)  # as many: read
+    prof, path, cached, calls, lines = _cached(tiny_profile, tmp_path)
+    cached(repeats=prof.repeats)  # as many: read
     assert calls == [] and lines == []
-    cached_profile(path, measure, graph.hash, lines.append, repeats=prof.repeats + 1)
+    cached(repeats=prof.repeats + 1)
     assert calls == [1] and lines == [f"cached profile {path} timed each kernel {prof.repeats} times, fewer than "
                                       f"{prof.repeats + 1}; measuring again"]
 
