@@ -69,7 +69,10 @@ def test_a_request_in_a_step_in_flight_is_in_no_other_step():
     sched.complete(prefill, now, now + 0.5)
     new_lane = sched.next_step(now + 0.5, {"decode"})
     assert [r.id for r in new_lane.requests] == [2]  # only the request not in flight
+    assert all(r.in_step and r.step_since == now for r in old_lane.requests)  # since it was handed out
+    assert new_lane.requests[0].step_since == now + 0.5
     sched.complete(old_lane, now, now + 1.0)
+    assert not any(r.in_step for r in old_lane.requests)
     assert sorted(r.id for r in sched.next_step(now + 1.0, {"decode"}).requests) == [0, 1]
 
 

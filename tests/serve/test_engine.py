@@ -56,6 +56,21 @@ def test_monitor_switches_on_the_latency_ratio_with_a_cool_down():
         Monitor(beta=0)
 
 
+def test_a_step_under_way_counts_as_execution():
+    """A batch of prompts arriving together on the latency objective: 8 in one long first step since 0.0, 8
+    queued. Before that step ends its time so far is evidence (mean latency 0.3, execution 0.15)."""
+    m = Monitor(beta=1.5, window_s=0.3, cooldown_s=1.0)
+    running = [_request(0.0, 0.0) for _ in range(8)]
+    for r in running:
+        r.in_step, r.step_since = True, 0.0
+    switch = m.close_window(0.3, [_request(0.0, 0.0) for _ in range(8)], running, [])
+    assert switch is not None and switch.after == "throughput" and switch.ratio == pytest.approx(2.0)
+    for r in running:  # the step ended at 0.25: its time is in busy_s, and not counted twice
+        r.in_step, r.busy_s = False, 0.25
+    again = Monitor(beta=1.5, window_s=0.3, cooldown_s=1.0)
+    assert again.close_window(0.3, [], running, []) is None and again.last_ratio == pytest.approx(0.3 / 0.25)
+
+
 class _Recorder(RecordingBackend):
     """A backend that records every step's phase, inputs and outputs (tokens and logits)."""
 

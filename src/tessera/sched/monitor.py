@@ -3,7 +3,9 @@ simulator's engines when asked to switch as it does).
 
 On a timer (a window, 300 ms by default) it looks at every request the engine knows: queued, in
 flight, and finished during the window. For each it takes the latency so far (now, or its finish,
-minus its arrival) and its execution time (the summed durations of the steps it took part in). When
+minus its arrival) and its execution time (the summed durations of the steps it took part in, and the time
+so far of the step it is in: a long first step, a batch of prompts arriving together, is evidence while it
+runs, not only once it ends). When
 the mean latency over the mean execution time reaches ``beta`` (1.5 by default), requests wait more
 than they run: the engine switches to the throughput-objective plans; below ``beta x hysteresis``
 (1.5 x 0.8 = 1.2 by default) it switches back to the latency-objective plans. The band between the two
@@ -92,7 +94,7 @@ class Monitor:
         if not seen:
             return None
         latency = sum((r.finish_s if r.finish_s is not None else now) - r.arrival_s for r in seen) / len(seen)
-        execution = sum(r.busy_s for r in seen) / len(seen)
+        execution = sum(r.busy_s + (now - r.step_since if r.in_step else 0.0) for r in seen) / len(seen)
         if execution <= 0:  # nothing has run yet: no evidence either way
             return None
         ratio = latency / execution

@@ -196,6 +196,7 @@ class Request:
     blocks: int = 0  # KV blocks it holds (a scheduler with a KV budget)
     preemptions: int = 0  # times it was preempted (by recompute) for lack of KV blocks
     in_step: bool = False  # part of a step handed out and not completed yet (not preempted then)
+    step_since: float = 0.0  # when the step it is in (``in_step``) was handed out
     owner: object = None  # the lane that admitted it and runs its single-request stages (None: any lane)
 
     @property
@@ -324,12 +325,12 @@ class Scheduler:
                     longest = (-(-sum(r.context for r in rows) // len(rows)) if self.buckets.paged else
                                max(r.context for r in rows))
                     ctx = self.buckets.context(longest) if self.buckets.ctx else None
-                    return self._handed(ScheduledStep(stage.phase, rows, self.buckets.rows(len(rows)), None, ctx))
+                    return self._handed(ScheduledStep(stage.phase, rows, self.buckets.rows(len(rows)), None, ctx), now)
                 continue
             if stage.phase == "prefill" and self.prompt_rows > 1:
                 prompts = self._prompts(i, now, cap, admit, owner)
                 if prompts is not None:
-                    return self._handed(prompts)
+                    return self._handed(prompts, now)
                 continue
             ready = [r for r in self.running if r.stage == i and r.ready_s <= now and not r.in_step
                      and (owner is None or r.owner is None or r.owner is owner)]
@@ -341,7 +342,7 @@ class Scheduler:
                 # a prefill writes the prompt (after a preemption: with the tokens generated) but its last token
                 seq = self.buckets.prompt(req.context - 1) if stage.phase == "prefill" and self.buckets.seq else None
                 ctx = self.buckets.context(req.context) if stage.phase == "prefill" and self.buckets.ctx else None
-                return self._handed(ScheduledStep(stage.phase, [req], 1, seq, ctx))
+                return self._handed(ScheduledStep(stage.phase, [req], 1, seq, ctx), now)
         return None
 
     def _admissible(self, now: float, cap: int) -> bool:
@@ -401,9 +402,9 @@ class Scheduler:
         return ScheduledStep("prefill", rows, self.buckets.rows(len(rows)), seq, ctx)
 
     @staticmethod
-    def _handed(step: ScheduledStep) -> ScheduledStep:
+    def _handed(step: ScheduledStep, now: float) -> ScheduledStep:
         for req in step.requests:
-            req.in_step = True
+            req.in_step, req.step_since = True, now
         return step
 
     def _fits(self, req: Request) -> bool:
