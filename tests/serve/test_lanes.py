@@ -99,3 +99,30 @@ def test_prefill_and_decode_lanes_overlap_and_tokens_equal_one_process():
     finally:
         reference.stop()
     assert tokens == expected
+
+
+def test_a_step_in_flight_is_waited_for_at_most_max_wait():
+    """The engine passes its monitor's window as ``max_wait``: a long step no longer blocks the loop (and so the
+    monitor's windows) until it ends; while an admitting lane is idle the wait stays at POLL_S."""
+    from types import SimpleNamespace
+
+    from tessera.serve.lanes import POLL_S, LaneRunner
+
+    decode, prefill = Lane(frozenset({"decode"}), frozenset({1})), Lane(frozenset({"prefill"}), frozenset({0}))
+    waits: list = []
+    pending = [SimpleNamespace(phase="decode")]
+
+    def next_step(now, phases):
+        return pending.pop() if pending and "decode" in phases else None
+
+    def wait(handles, timeout_s):
+        waits.append(timeout_s)
+        return []  # the step runs on
+
+    for lanes, max_wait, expected in (([decode], 0.3, 0.3), ([decode], None, None), ([decode, prefill], 0.3, POLL_S),
+                                      ([decode, prefill], 0.001, 0.001)):
+        pending[:] = [SimpleNamespace(phase="decode")]
+        runner = LaneRunner(lambda lanes=lanes: lanes, next_step, lambda step: ("handle", None),
+                            lambda *a: None, wait, frozenset({"decode"}))
+        assert runner.turn(0.0, max_wait) and runner.busy()
+        assert waits[-1] == expected

@@ -394,7 +394,7 @@ class Engine:
                     self._restore(now)
                 if self.monitor.due(now):
                     self._close_window(now)
-                if not self.lanes.turn(now):
+                if not self.lanes.turn(now, self.monitor.window_s):  # windows close while a step runs
                     self._wake.wait(timeout=self.monitor.window_s)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - the backend is gone: tell every request, then the server

@@ -104,17 +104,21 @@ class LaneRunner:
         """Whether a step is in flight."""
         return bool(self.inflight)
 
-    def turn(self, now: float) -> bool:
+    def turn(self, now: float, max_wait: float | None = None) -> bool:
         """Start a step on every lane that is free and has one to run, then wait for a step in flight to be
         done and finish it (waiting at most POLL_S while a lane that admits requests is idle, so a new request
-        starts at once). Whether anything was started or in flight (False: the engine may sleep)."""
+        starts at once, and at most ``max_wait`` seconds in any case, so the engine's monitor closes its windows
+        while a long step runs). Whether anything was started or in flight (False: the engine may sleep)."""
         started = self._dispatch(now)
         if not self.inflight:
             return started
         held = {w for f in self.inflight for w in f.lane.workers}
         idle = any(self.admits in {base_phase(p) for p in lane.phases} and not lane.workers & held
                    for lane in self.lanes())
-        done = self.wait([f.handle for f in self.inflight], POLL_S if idle else None)
+        timeout = POLL_S if idle else None
+        if max_wait is not None:
+            timeout = max_wait if timeout is None else min(timeout, max_wait)
+        done = self.wait([f.handle for f in self.inflight], timeout)
         for f in [f for f in self.inflight if any(f.handle is h for h in done)]:
             self.inflight.remove(f)
             self.finish(f.step, f.handle, f.context)
