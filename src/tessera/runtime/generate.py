@@ -95,15 +95,12 @@ class ReplayRunner:
         """Run every phase once on zero inputs, then zero the state, so that a served first step of a phase does
         not pay what a first step pays once (calls bound, buffers allocated, packed weights made; a worker's load
         does the same, `Worker._warm`). Returns the phases whose pass failed, which run cold, and why."""
-        from tessera.graph.codec import dtype_from_name
+        from tessera.runtime.probe import zero_state
 
         failed = {}
         for phase, ex in self.executors.items():
-            buffers = ex.graph.buffers
-            dummy = {n: torch.zeros(buffers[n].shape, dtype=dtype_from_name(buffers[n].dtype))
-                     for n in ex.program.inputs}
             try:
-                ex.run(dummy, self.state)
+                ex.run(zero_state(ex.graph, ex.program.inputs), self.state)
             except Exception as e:  # noqa: BLE001 - a step on real inputs still runs, and says what fails
                 failed[phase] = f"{type(e).__name__}: {e}"
         for t in self.state.values():

@@ -456,7 +456,8 @@ def measure_kernel_times(pool, workers: list[int], graph: KernelGraph, weights_p
 
 
 def zero_state(graph: KernelGraph, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Zeroed state buffers of ``graph`` (all, or ``names``): what a worker starts with."""
+    """Zeroed buffers of ``graph``: its state (what a worker starts with), or the buffers ``names`` (a step's
+    dummy inputs, for a warm pass)."""
     from tessera.graph.codec import dtype_from_name
 
     return {name: torch.zeros(graph.buffers[name].shape, dtype=dtype_from_name(graph.buffers[name].dtype))

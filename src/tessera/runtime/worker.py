@@ -416,9 +416,7 @@ class Worker:
         graph, program, transfers, ex, _, _ = self.phases[name]
         torch.set_grad_enabled(False)
         for m in range(min(program.micro_batches, len(self.state))):
-            dummy = {n: torch.zeros(graph.buffers[n].shape, dtype=dtype_from_name(graph.buffers[n].dtype))
-                     for n in program.inputs}
-            ex.prepare_microbatch(m, dummy, self.state[m], program.inputs, program.state)
+            ex.prepare_microbatch(m, zero_state(graph, program.inputs), self.state[m], program.inputs, program.state)
             for code, arg, _ in by_microbatch[m]:
                 if code == _GRAPH:
                     on_graph(arg, ex)
